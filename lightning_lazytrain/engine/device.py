@@ -1,0 +1,67 @@
+"""The streams and events of the executor, with the same interface on the CPU (where they are no-ops).
+
+On CUDA there are three queues: the compute stream (whatever stream is current when a layer runs: autograd
+replays the backward on the stream the forward used), a weight H2D stream and a gradient D2H stream. Work is
+ordered only by events; nothing here synchronizes the device. On the CPU every copy is synchronous, so an
+event is ``None`` and waiting on it does nothing: the control flow stays identical and testable without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+import torch
+
+
+class DeviceQueues:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        if self.is_cuda:
+            self.h2d = torch.cuda.Stream(device)
+            self.d2h = torch.cuda.Stream(device)
+        else:
+            self.h2d = self.d2h = None
+
+    def compute_stream(self) -> torch.cuda.Stream | None:
+        return torch.cuda.current_stream(self.device) if self.is_cuda else None
+
+    def record(self, stream: torch.cuda.Stream | None = None, timing: bool = False) -> torch.cuda.Event | None:
+        """An event marking everything queued so far on ``stream`` (default: the compute stream)."""
+        if not self.is_cuda:
+            return None
+        event = torch.cuda.Event(enable_timing=timing)
+        event.record(stream or self.compute_stream())
+        return event
+
+    def wait(self, event: torch.cuda.Event | None, stream: torch.cuda.Stream | None = None) -> None:
+        """Make ``stream`` (default: the compute stream) wait for ``event`` without blocking the host."""
+        if event is not None:
+            (stream or self.compute_stream()).wait_event(event)
+
+    @contextlib.contextmanager
+    def on(self, stream: torch.cuda.Stream | None) -> Iterator[None]:
+        if stream is None:
+            yield
+        else:
+            with torch.cuda.stream(stream):
+                yield
+
+
+def host_wait(event: torch.cuda.Event | None, what: str, timeout_s: float) -> None:
+    """Block the calling host thread until ``event`` completed, or raise naming what was waited for.
+
+    A plain ``event.synchronize()`` can hang forever when a transfer never finishes; polling with a deadline turns
+    that into an error a user can act on.
+    """
+    if event is None or event.query():
+        return
+    deadline = time.monotonic() + timeout_s
+    pause = 1e-5
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"lazytrain waited {timeout_s:.0f} s for {what} to finish on the GPU; giving up.")
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)

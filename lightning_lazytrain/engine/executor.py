@@ -1,0 +1,220 @@
+"""The streaming executor: owns the host store, the weight slots and the gradient sink, and hooks the HF model.
+
+Hooks are instance-level ``forward`` overrides, so module names, parameters and ``state_dict`` stay exactly those
+of the user's model. Decoder layers only record their call; the final norm runs the recorded stack (one autograd
+Function); the embedding, norm and head run on a device-resident bf16 copy whose gradients are drained to the host
+after each backward. With labels, the causal-LM forward routes the loss through the chunked head.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from lightning_lazytrain.engine.binding import bound, leaves_of
+from lightning_lazytrain.engine.device import DeviceQueues
+from lightning_lazytrain.engine.grads import GradSink
+from lightning_lazytrain.engine.loss import chunked_causal_lm_loss
+from lightning_lazytrain.engine.plan import StackPlan
+from lightning_lazytrain.engine.slots import SlotPool
+from lightning_lazytrain.engine.stack import LayerCall, StackRun, StreamedStack, make_prefetcher
+from lightning_lazytrain.engine.store import HostParamStore
+from lightning_lazytrain.models import ModelAdapter
+
+
+class DeviceTooSmallError(RuntimeError):
+    """The weight slots and resident parts alone do not fit the device."""
+
+
+class StreamingExecutor:
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        device: torch.device,
+        master_dtype: torch.dtype,
+        stream_dtype: torch.dtype,
+        plan: StackPlan,
+        num_slots: int | None = None,
+        prefetch_depth: int = 2,
+        pin_memory: bool = True,
+        timeout_s: float = 600.0,
+        loss_chunk_bytes: int = 1 << 29,
+    ) -> None:
+        if plan.num_layers != adapter.num_layers:
+            raise ValueError(f"the plan covers {plan.num_layers} layers but the model has {adapter.num_layers}")
+        if getattr(adapter.lm_head, "bias", None) is not None:
+            raise ValueError("lazytrain's chunked loss supports a bias-free lm_head only (all supported families)")
+        self.adapter, self.device, self.plan = adapter, device, plan
+        self.prefetch_depth, self.loss_chunk_bytes = prefetch_depth, loss_chunk_bytes
+        self.queues = DeviceQueues(device)
+        self.layers: list[nn.Module] = list(adapter.layers)
+        self.resident_modules = _resident_modules(adapter)
+        groups = [("resident", self.resident_modules)] + [(f"layer.{j}", [m]) for j, m in enumerate(self.layers)]
+        self.store = HostParamStore(groups, master_dtype, stream_dtype, pin=pin_memory and device.type == "cuda")
+        self.resident_unit, self.layer_units = self.store.units[0], self.store.units[1:]
+        slot_numel = max(u.numel for u in self.layer_units)
+        slots = num_slots or plan.slots_needed(prefetch_depth)
+        if slots < plan.slots_needed(1):
+            raise ValueError(f"this plan needs at least {plan.slots_needed(1)} weight slots, got num_slots={slots}")
+        self._check_device_fits(slots, slot_numel, stream_dtype)
+        self.pool = SlotPool(self.queues, slots, slot_numel, stream_dtype)
+        self.sink = GradSink(self.store, self.queues, slot_numel, stream_dtype, timeout_s=timeout_s)
+        self._resident_buf = torch.empty(self.resident_unit.numel, dtype=stream_dtype, device=device)
+        self._resident_leaves: list[torch.Tensor] | None = None
+        self._resident_generation = -1
+        self._anchor = torch.empty(0, device=device, requires_grad=True)
+        self._pending: list[LayerCall] = []
+        self._saved_buffers: list[tuple[nn.Module, str, torch.Tensor]] = []
+        self._patched: list[tuple[nn.Module, bool]] = []
+        self._install()
+
+    def _check_device_fits(self, slots: int, slot_numel: int, dtype: torch.dtype) -> None:
+        if self.device.type != "cuda":
+            return
+        item = torch.empty((), dtype=dtype).element_size()
+        need = (slots * slot_numel + 2 * self.resident_unit.numel) * item
+        free, _ = torch.cuda.mem_get_info(self.device)
+        if need > free:
+            raise DeviceTooSmallError(
+                f"{slots} weight slots of {slot_numel * item / 2**30:.2f} GiB plus the resident embedding/head"
+                f" ({2 * self.resident_unit.numel * item / 2**30:.2f} GiB with gradients) need {need / 2**30:.2f} GiB,"
+                f" but {self.device} has {free / 2**30:.2f} GiB free. Use a plan with fewer resident layers"
+                " (smaller keep_graph_layers / interval) or a larger GPU."
+            )
+
+    def _install(self) -> None:
+        model = self.adapter.model
+        for module in model.modules():
+            for name, buf in list(module._buffers.items()):
+                if buf is not None and buf.device != self.device:
+                    self._saved_buffers.append((module, name, buf))
+                    module._buffers[name] = buf.to(self.device)
+        for j, layer in enumerate(self.layers):
+            self._patch(layer, types.MethodType(_recorder(self, j), layer))
+            if hasattr(layer, "gradient_checkpointing"):
+                layer.gradient_checkpointing = False
+        for module in self.resident_modules:
+            fn = _norm_forward if module is self.adapter.final_norm else _resident_forward
+            self._patch(module, types.MethodType(_bind_resident(self, fn), module))
+        self._original_forward = types.MethodType(type(model).forward, model)
+        self._patch(model, types.MethodType(_causal_lm_forward(self), model))
+
+    def _patch(self, module: nn.Module, forward: Any) -> None:
+        self._patched.append((module, "forward" in module.__dict__))
+        module.forward = forward
+
+    def close(self) -> None:
+        """Give the model back as it was (forwards, buffers on their old device), release pinned memory."""
+        for module, had_own in reversed(self._patched):
+            if not had_own:
+                del module.forward
+        self._patched.clear()
+        for module, name, buf in self._saved_buffers:
+            module._buffers[name] = buf
+        self._saved_buffers.clear()
+        self.sink.close()
+        self.store.close()
+
+    def prefetcher(self, order: list[int]):
+        return make_prefetcher(self, order, self.prefetch_depth)
+
+    def resident_tensors(self) -> list[torch.Tensor]:
+        """The device copy of embedding/norm/head as autograd leaves, re-uploaded after the masters changed."""
+        unit = self.resident_unit
+        unit.refresh_stream()
+        if self._resident_leaves is None or self._resident_generation != unit.generation:
+            # A validation loop may be first to run, under inference mode; these leaves must outlive it.
+            with torch.inference_mode(False):
+                self._resident_buf.copy_(unit.stream, non_blocking=True)
+                views = [self._resident_buf[e.offset : e.offset + e.numel].view(e.shape) for e in unit.unique]
+                self._resident_leaves = leaves_of(views, unit)
+            self._resident_generation = unit.generation
+        return self._resident_leaves
+
+    def run_stack(self, hidden: torch.Tensor) -> torch.Tensor:
+        calls, self._pending = self._pending, []
+        if len(calls) != len(self.layers):
+            raise RuntimeError(f"lazytrain saw {len(calls)} of {len(self.layers)} decoder layer calls before the norm")
+        device_type = self.device.type
+        autocast = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+        run = StackRun(self, calls, autocast)
+        if torch.is_grad_enabled():
+            return StreamedStack.apply(hidden, self._anchor, run)
+        return run.forward(hidden, training=False)
+
+    def after_backward(self) -> None:
+        """Drain the resident gradients and wait until every gradient is in its host accumulator."""
+        leaves = self._resident_leaves or []
+        grads = [leaf.grad for leaf in leaves]
+        if any(g is not None for g in grads):
+            self.sink.submit(self.resident_unit, grads)
+            for leaf in leaves:
+                leaf.grad = None
+        self.sink.flush()
+
+    def after_optimizer_step(self) -> None:
+        self.store.mark_dirty()
+
+    def head_weight(self) -> torch.Tensor:
+        unit, head = self.resident_unit, self.adapter.lm_head
+        uid = next(e.uid for e in unit.entries if e.module is head and e.name == "weight")
+        return self.resident_tensors()[uid]
+
+
+def _resident_modules(adapter: ModelAdapter) -> list[nn.Module]:
+    layer_ids = {id(m) for layer in adapter.layers for m in layer.modules()}
+    return [m for m in adapter.model.modules() if id(m) not in layer_ids and any(True for _ in m._parameters)]
+
+
+def _recorder(executor: StreamingExecutor, j: int):
+    def record(layer: nn.Module, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if j == 0:
+            executor._pending = []
+        executor._pending.append(LayerCall(args, kwargs))
+        return hidden
+
+    return record
+
+
+def _bind_resident(executor: StreamingExecutor, fn):
+    def forward(module: nn.Module, *args: Any, **kwargs: Any):
+        return fn(executor, module, *args, **kwargs)
+
+    return forward
+
+
+def _resident_forward(executor: StreamingExecutor, module: nn.Module, *args: Any, **kwargs: Any):
+    with bound(executor.resident_unit, executor.resident_tensors()):
+        return type(module).forward(module, *args, **kwargs)
+
+
+def _norm_forward(executor: StreamingExecutor, module: nn.Module, hidden: torch.Tensor, *args: Any, **kwargs: Any):
+    return _resident_forward(executor, module, executor.run_stack(hidden), *args, **kwargs)
+
+
+def _causal_lm_forward(executor: StreamingExecutor):
+    def forward(model: nn.Module, input_ids=None, attention_mask=None, position_ids=None, *args: Any, **kwargs: Any):
+        labels = kwargs.pop("labels", None)
+        if labels is None:
+            return executor._original_forward(input_ids, attention_mask, position_ids, *args, **kwargs)
+        if args:
+            raise TypeError("with labels, pass the model's other inputs by keyword (input_ids=..., attention_mask=...)")
+        for flag in ("output_hidden_states", "output_attentions"):
+            if kwargs.pop(flag, False):
+                raise ValueError(f"lazytrain streams the decoder layers and does not return {flag}")
+        num_items = kwargs.pop("num_items_in_batch", None)
+        for unused in ("use_cache", "cache", "past_key_values", "logits_to_keep", "return_dict"):
+            kwargs.pop(unused, None)
+        out = executor.adapter.decoder(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **kwargs
+        )
+        loss = chunked_causal_lm_loss(
+            out.last_hidden_state, executor.head_weight(), labels, num_items, executor.loss_chunk_bytes
+        )
+        return CausalLMOutputWithPast(loss=loss, logits=None)
+
+    return forward

@@ -1,0 +1,155 @@
+"""The decoder stack as one autograd Function: layers stream through device slots in the forward and backward.
+
+The model's own forward still builds masks, rotary tables and position ids; each decoder layer call is only
+recorded (``LayerCall``), and the whole recorded stack runs here when the final norm asks for its input. The
+backward walks the plan's blocks from the top: reload or rebuild each layer's input, run it with grad, hand its
+weight gradients to the ``GradSink`` and pass the input gradient down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lightning_lazytrain.engine.binding import bound, leaves_of
+
+if TYPE_CHECKING:
+    from lightning_lazytrain.engine.executor import StreamingExecutor
+    from lightning_lazytrain.engine.slots import Slot
+
+
+@dataclass
+class LayerCall:
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+@dataclass
+class _Graph:
+    inputs: torch.Tensor
+    output: torch.Tensor
+    leaves: list[torch.Tensor]
+    slot: Slot
+
+
+@dataclass
+class StackRun:
+    """One forward of the stack and what it keeps for the backward."""
+
+    executor: StreamingExecutor
+    calls: list[LayerCall]
+    autocast: tuple[bool, torch.dtype] = (False, torch.bfloat16)
+    boundaries: dict[int, torch.Tensor] = field(default_factory=dict)
+    graphs: dict[int, _Graph] = field(default_factory=dict)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        enabled, dtype = self.autocast
+        return torch.autocast(self.executor.device.type, dtype=dtype, enabled=enabled)
+
+    def _layer(self, j: int, hidden: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+        ex = self.executor
+        layer, unit, call = ex.layers[j], ex.layer_units[j], self.calls[j]
+        with bound(unit, weights):
+            out = type(layer).forward(layer, hidden, *call.args, **call.kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+    def _acquire(self, j: int) -> Slot:
+        ex = self.executor
+        slot = ex.pool.acquire(ex.layer_units[j])
+        ex.queues.wait(slot.ready)
+        return slot
+
+    def forward(self, hidden: torch.Tensor, training: bool) -> torch.Tensor:
+        ex, plan = self.executor, self.executor.plan
+        order = list(range(len(self.calls)))
+        prefetch = ex.prefetcher(order)
+        if training and plan.kept(0):
+            self.boundaries[0] = hidden
+        x = hidden
+        for j in order:
+            slot = self._acquire(j)
+            prefetch(j + 1)
+            if training and plan.keep_graph[j]:
+                with torch.enable_grad():
+                    inputs = x.detach().requires_grad_()
+                    leaves = leaves_of(slot.views(ex.layer_units[j]), ex.layer_units[j])
+                    out = self._layer(j, inputs, leaves)
+                self.graphs[j] = _Graph(inputs, out, leaves, slot)
+                x = out.detach()
+            else:
+                x = self._layer(j, x, slot.views(ex.layer_units[j]))
+                ex.pool.release(slot)
+            if training and plan.kept(j + 1) and j + 1 < len(order):
+                self.boundaries[j + 1] = x
+        return x
+
+    def backward(self, grad: torch.Tensor) -> torch.Tensor:
+        ex, plan = self.executor, self.executor.plan
+        blocks = list(reversed(plan.blocks()))
+        order = [j for s, e in blocks for j in range(s, e)]
+        prefetch = ex.prefetcher(order)
+        cursor = 0
+        for s, e in blocks:
+            if e == s + 1 and s in self.graphs:
+                graph = self.graphs.pop(s)
+                cursor += 1
+                prefetch(cursor)
+                grad = self._backprop(s, graph.output, graph.inputs, graph.leaves, grad)
+                ex.pool.release(graph.slot)
+                self.boundaries.pop(s, None)
+                continue
+            slots = [self._acquire(j) for j in range(s, e)]
+            cursor += e - s
+            prefetch(cursor)
+            inputs = [self.boundaries.pop(s)]
+            with torch.no_grad(), self._autocast():
+                for j in range(s, e - 1):
+                    inputs.append(self._layer(j, inputs[-1], slots[j - s].views(ex.layer_units[j])))
+            for j in reversed(range(s, e)):
+                unit = ex.layer_units[j]
+                with torch.enable_grad(), self._autocast():
+                    x = inputs.pop().detach().requires_grad_()
+                    leaves = leaves_of(slots[j - s].views(unit), unit)
+                    out = self._layer(j, x, leaves)
+                grad = self._backprop(j, out, x, leaves, grad)
+                ex.pool.release(slots[j - s])
+                prefetch(cursor)
+        return grad
+
+    def _backprop(self, j: int, out: torch.Tensor, x: torch.Tensor, leaves: list[torch.Tensor], grad: torch.Tensor):
+        trainable = [leaf for leaf in leaves if leaf.requires_grad]
+        grads = torch.autograd.grad(out, [x, *trainable], grad, allow_unused=True)
+        it = iter(grads[1:])
+        weight_grads = [next(it) if leaf.requires_grad else None for leaf in leaves]
+        self.executor.sink.submit(self.executor.layer_units[j], weight_grads)
+        return grads[0] if grads[0] is not None else torch.zeros_like(x)
+
+
+class StreamedStack(torch.autograd.Function):
+    """``anchor`` is an empty leaf that requires grad, so the backward runs even when the stack's input does not
+    need a gradient (a frozen embedding) but the layers do."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, anchor: torch.Tensor, run: StackRun) -> torch.Tensor:
+        ctx.run = run
+        return run.forward(hidden, training=True)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        run, ctx.run = ctx.run, None
+        return run.backward(grad), None, None
+
+
+def make_prefetcher(executor: StreamingExecutor, order: list[int], depth: int) -> Callable[[int], None]:
+    """A function ``prefetch(pos)`` that starts the copies of the next ``depth`` layers after position ``pos``."""
+
+    def prefetch(pos: int) -> None:
+        for j in order[pos : pos + depth]:
+            if not executor.pool.prefetch(executor.layer_units[j]):
+                break
+
+    return prefetch

@@ -1,0 +1,161 @@
+"""Host-side home of every parameter: flat per-unit master buffers, the streamed copy, fp32 gradients.
+
+A *unit* is what moves as one piece: one decoder layer, or the resident set (embedding, final norm, head). Each
+unit owns one flat master buffer, and the module's parameters are re-pointed to views of it, so the optimizer,
+``state_dict`` and ``load_state_dict`` all see ordinary CPU parameters while the engine moves one contiguous block.
+The streamed copy (bf16 under bf16-mixed) is a second flat buffer, pinned once here; where the master already
+has the compute dtype the master itself is pinned and streamed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from lightning_lazytrain.engine.pinned import PinnedAllocator
+
+
+@dataclass
+class ParamEntry:
+    module: nn.Module
+    name: str
+    param: nn.Parameter
+    offset: int
+    numel: int
+    shape: torch.Size
+    uid: int
+
+
+@dataclass
+class ParamUnit:
+    index: int
+    label: str
+    entries: list[ParamEntry]
+    numel: int
+    master: torch.Tensor
+    stream: torch.Tensor
+    grad: torch.Tensor | None = None
+    param_grad: torch.Tensor | None = None
+    generation: int = 0
+    dirty: bool = False
+    overwrite: bool = False
+    touched: bool = False
+    unique: list[ParamEntry] = field(default_factory=list)
+
+    def refresh_stream(self) -> None:
+        """Bring the streamed copy up to date with the masters (a cast, or nothing when they are one buffer)."""
+        if self.dirty:
+            if self.stream.data_ptr() != self.master.data_ptr():
+                self.stream.copy_(self.master)
+            self.generation += 1
+            self.dirty = False
+
+
+class HostParamStore:
+    """Owns the flat host buffers of all units and the gradient accumulation into them."""
+
+    def __init__(
+        self,
+        groups: list[tuple[str, list[nn.Module]]],
+        master_dtype: torch.dtype,
+        stream_dtype: torch.dtype,
+        pin: bool,
+    ) -> None:
+        self.master_dtype = master_dtype
+        self.stream_dtype = stream_dtype
+        self.pinned = PinnedAllocator(enabled=pin)
+        self.units: list[ParamUnit] = [self._build_unit(i, label, mods) for i, (label, mods) in enumerate(groups)]
+
+    def _build_unit(self, index: int, label: str, modules: list[nn.Module]) -> ParamUnit:
+        entries: list[ParamEntry] = []
+        offsets: dict[int, int] = {}
+        unique: list[ParamEntry] = []
+        total = 0
+        seen_modules: set[int] = set()
+        for root in modules:
+            for module in root.modules():
+                if id(module) in seen_modules:
+                    continue
+                seen_modules.add(id(module))
+                for name, param in module._parameters.items():
+                    if param is None:
+                        continue
+                    if id(param) not in offsets:
+                        offsets[id(param)] = len(unique)
+                        unique.append(ParamEntry(module, name, param, total, param.numel(), param.shape, len(unique)))
+                        total += param.numel()
+                    first = unique[offsets[id(param)]]
+                    entries.append(ParamEntry(module, name, param, first.offset, first.numel, first.shape, first.uid))
+        same = self.master_dtype == self.stream_dtype
+        master = self.pinned.empty(total, self.master_dtype) if same else torch.empty(total, dtype=self.master_dtype)
+        for entry in unique:
+            view = master[entry.offset : entry.offset + entry.numel].view(entry.shape)
+            view.copy_(entry.param.data)
+            entry.param.data = view
+        stream = master if same else self.pinned.empty(total, self.stream_dtype)
+        unit = ParamUnit(index, label, entries, total, master, stream, unique=unique, dirty=True)
+        unit.refresh_stream()
+        return unit
+
+    @property
+    def num_params(self) -> int:
+        return sum(u.numel for u in self.units)
+
+    def mark_dirty(self) -> None:
+        """The masters changed (optimizer step, checkpoint load): streamed copies are stale until refreshed."""
+        for unit in self.units:
+            unit.dirty = True
+
+    def begin_grads(self, unit: ParamUnit) -> None:
+        """Called before a unit's gradients of one backward arrive: decide overwrite vs accumulate.
+
+        Lightning's ``zero_grad`` sets ``.grad`` to None; then this backward overwrites instead of adding, which
+        saves a zeroing pass over 4 bytes per parameter.
+        """
+        if unit.grad is None:
+            unit.grad = torch.empty(unit.numel, dtype=torch.float32)
+            if self.master_dtype != torch.float32:
+                unit.param_grad = torch.empty(unit.numel, dtype=self.master_dtype)
+        unit.overwrite = any(e.param.grad is None for e in unit.unique)
+        unit.touched = True
+
+    def accumulate(self, unit: ParamUnit, offset: int, values: torch.Tensor) -> None:
+        """Add (or write, on the first backward after zero_grad) one gradient segment; runs on a worker thread."""
+        target = unit.grad[offset : offset + values.numel()]
+        if unit.overwrite:
+            target.copy_(values)
+        else:
+            target.add_(values)
+
+    def finish_grads(self, unit: ParamUnit, covered: list[tuple[int, int]]) -> None:
+        """After all segments of a backward landed: zero what got no gradient, expose ``.grad`` views."""
+        if unit.overwrite:
+            holes = _uncovered(unit.numel, covered)
+            for start, stop in holes:
+                unit.grad[start:stop].zero_()
+        grad = unit.grad
+        if unit.param_grad is not None:
+            unit.param_grad.copy_(grad)
+            grad = unit.param_grad
+        for entry in unit.unique:
+            view = grad[entry.offset : entry.offset + entry.numel].view(entry.shape)
+            if entry.param.grad is None or entry.param.grad.data_ptr() != view.data_ptr():
+                entry.param.grad = view
+        unit.overwrite = False
+        unit.touched = False
+
+    def close(self) -> None:
+        self.pinned.release()
+
+
+def _uncovered(total: int, covered: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    holes, cursor = [], 0
+    for start, stop in sorted(covered):
+        if start > cursor:
+            holes.append((cursor, start))
+        cursor = max(cursor, stop)
+    if cursor < total:
+        holes.append((cursor, total))
+    return holes

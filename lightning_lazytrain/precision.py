@@ -1,0 +1,87 @@
+"""Precision for the streamed executor: where masters live, what dtype streams, which context the step runs in.
+
+``bf16-mixed``: fp32 masters on the CPU, a bf16 copy streamed, the step under bf16 autocast (as Lightning's
+``MixedPrecision``). ``bf16-true``: bf16 masters streamed as they are, bf16 as the default dtype in the step (as
+Lightning's ``HalfPrecision``). ``32-true``: fp32 everywhere. fp16 is refused: without a loss scaler that every
+streamed layer would have to honour, fp16 gradients underflow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Generator
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from torch import nn
+
+_DTYPES = {
+    "32-true": (torch.float32, torch.float32),
+    "bf16-mixed": (torch.float32, torch.bfloat16),
+    "bf16-true": (torch.bfloat16, torch.bfloat16),
+}
+_ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed", "bf16-mixed": "bf16-mixed"}
+
+
+class UnsupportedPrecisionError(ValueError):
+    pass
+
+
+def normalize_precision(precision: str | int) -> str:
+    name = _ALIASES.get(precision, str(precision))
+    if name not in _DTYPES:
+        raise UnsupportedPrecisionError(
+            f"lazytrain does not support precision={precision!r}; use 'bf16-mixed' (fp32 masters, bf16 compute),"
+            " 'bf16-true' (bf16 masters) or '32-true'. fp16 needs a loss scaler that streamed layers do not run."
+        )
+    return name
+
+
+class LazyTrainPrecision(Precision):
+    def __init__(self, precision: str = "bf16-mixed") -> None:
+        self.precision = normalize_precision(precision)
+        self.after_closure_hook: Callable[[], None] | None = None
+        self.device_type = "cpu"
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        return _DTYPES[self.precision][0]
+
+    @property
+    def stream_dtype(self) -> torch.dtype:
+        return _DTYPES[self.precision][1]
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        if self.precision == "bf16-true":
+            return module.to(torch.bfloat16)
+        for param in module.parameters():
+            if param.dtype != torch.float32 and param.is_floating_point():
+                param.data = param.data.float()
+        return module
+
+    def convert_input(self, data: Any) -> Any:
+        return data
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        if self.precision == "bf16-mixed":
+            with torch.autocast(self.device_type, dtype=torch.bfloat16):
+                yield
+        elif self.precision == "bf16-true":
+            default = torch.get_default_dtype()
+            torch.set_default_dtype(torch.bfloat16)
+            try:
+                yield
+            finally:
+                torch.set_default_dtype(default)
+        else:
+            yield
+
+    def _wrap_closure(self, model, optimizer, closure):
+        # Gradients land on the host asynchronously; they must be complete before hooks and clipping read them.
+        result = closure()
+        if self.after_closure_hook is not None:
+            self.after_closure_hook()
+        self._after_closure(model, optimizer)
+        return result

@@ -1,0 +1,215 @@
+"""``LazyTrainStrategy``: Lightning glue around the streaming executor.
+
+The user's LightningModule and its HF model stay as they are. At setup the strategy finds the one
+``PreTrainedModel`` in the module, moves its parameters into the host store (they stay CPU parameters, so any
+torch optimizer over ``module.parameters()`` updates the masters), and hooks the model so its forward streams.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from transformers import PreTrainedModel
+
+from lightning_lazytrain.engine import StackPlan, StreamingExecutor
+from lightning_lazytrain.models import adapter_for
+from lightning_lazytrain.precision import LazyTrainPrecision
+
+
+class ModelNotFoundError(ValueError):
+    pass
+
+
+class LazyTrainStrategy(Strategy):
+    """Stream an HF decoder's layers through one device from host memory.
+
+    Args:
+        model_attr: attribute of the LightningModule holding the HF model; found automatically when there is one.
+        schedule: ``"interval:K"`` keeps every K-th layer boundary on the device and recomputes the rest in the
+            backward (``"interval:1"``: every boundary kept, one re-forward per layer).
+        keep_graph_layers: the last N layers keep their whole autograd graph on the device (no re-forward).
+        num_slots: device weight slots; default: what the plan needs plus ``prefetch_depth``.
+        prefetch_depth: how many layers ahead weights are copied while the current one computes.
+        pin_memory: pin the streamed host buffers (CUDA only; ``None`` = when on CUDA).
+        timeout_s: longest wait for any transfer before an error names it.
+    """
+
+    strategy_name = "lazytrain"
+
+    def __init__(
+        self,
+        model_attr: str | None = None,
+        schedule: str = "interval:1",
+        keep_graph_layers: int = 0,
+        num_slots: int | None = None,
+        prefetch_depth: int = 2,
+        pin_memory: bool | None = None,
+        timeout_s: float = 600.0,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
+        self.model_attr = model_attr
+        self.schedule = schedule
+        self.keep_graph_layers = keep_graph_layers
+        self.num_slots = num_slots
+        self.prefetch_depth = prefetch_depth
+        self.pin_memory = pin_memory
+        self.timeout_s = timeout_s
+        self.parallel_devices: list[torch.device] | None = None
+        self.executor: StreamingExecutor | None = None
+        self.global_rank = self.local_rank = 0
+        self.world_size = 1
+        _parse_schedule(schedule)
+
+    @property
+    def precision_plugin(self) -> LazyTrainPrecision:
+        return self._precision_plugin if self._precision_plugin is not None else LazyTrainPrecision("32-true")
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        if plugin is not None and not isinstance(plugin, LazyTrainPrecision):
+            plugin = LazyTrainPrecision(getattr(plugin, "precision", "32-true"))
+        self._precision_plugin = plugin
+
+    @property
+    def root_device(self) -> torch.device:
+        if not self.parallel_devices:
+            return torch.device("cpu")
+        return self.parallel_devices[0]
+
+    @property
+    def is_global_zero(self) -> bool:
+        return True
+
+    def setup_environment(self) -> None:
+        if self.parallel_devices and len(self.parallel_devices) > 1:
+            raise ValueError(
+                f"lazytrain runs on one device for now; got devices={len(self.parallel_devices)}. Use devices=1."
+            )
+        if self.pin_memory and self.root_device.type != "cuda":
+            raise ValueError("pin_memory=True needs a CUDA device; drop it or use accelerator='gpu'.")
+        super().setup_environment()
+
+    def find_hf_model(self, module: nn.Module) -> PreTrainedModel:
+        if self.model_attr is not None:
+            model = getattr(module, self.model_attr, None)
+            if not isinstance(model, PreTrainedModel):
+                raise ModelNotFoundError(
+                    f"{type(module).__name__}.{self.model_attr} is {type(model).__name__}, not a transformers"
+                    " PreTrainedModel; point model_attr at the attribute holding the HF causal LM."
+                )
+            return model
+        found = [(name, m) for name, m in module.named_modules() if isinstance(m, PreTrainedModel)]
+        outer = [(n, m) for n, m in found if not any(n.startswith(o + ".") for o, _ in found if o != n)]
+        if not outer:
+            raise ModelNotFoundError(
+                f"{type(module).__name__} holds no transformers PreTrainedModel; lazytrain streams the layers of one"
+                " HF causal LM (e.g. self.model = AutoModelForCausalLM.from_pretrained(...))."
+            )
+        if len(outer) > 1:
+            names = ", ".join(n for n, _ in outer)
+            raise ModelNotFoundError(
+                f"{type(module).__name__} holds several PreTrainedModels ({names});"
+                " say which one to stream with LazyTrainStrategy(model_attr=...)."
+            )
+        return outer[0][1]
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        precision = self.precision_plugin
+        precision.device_type = self.root_device.type
+        precision.after_closure_hook = self._drain_gradients
+        hf_model = self.find_hf_model(self.model)
+        if self.executor is None:
+            adapter = adapter_for(hf_model)
+            precision.convert_module(self.model)
+            k = _parse_schedule(self.schedule)
+            plan = StackPlan.every(adapter.num_layers, k, self.keep_graph_layers)
+            pin = self.root_device.type == "cuda" if self.pin_memory is None else self.pin_memory
+            self.executor = StreamingExecutor(
+                adapter,
+                self.root_device,
+                precision.master_dtype,
+                precision.stream_dtype,
+                plan,
+                num_slots=self.num_slots,
+                prefetch_depth=self.prefetch_depth,
+                pin_memory=pin,
+                timeout_s=self.timeout_s,
+            )
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def model_to_device(self) -> None:
+        """Parameters stay on the host; the executor moves what a step needs."""
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+        self._drain_gradients()
+        return loss
+
+    def _drain_gradients(self) -> None:
+        if self.executor is not None:
+            self.executor.after_backward()
+
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.executor is not None:
+            self.executor.after_optimizer_step()
+        return result
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)
+        if self.executor is not None:
+            self.executor.after_optimizer_step()
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            optimizer.load_state_dict(state)
+
+    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        return tensor
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        return tensor
+
+    def teardown(self) -> None:
+        if self.executor is not None:
+            self.executor.close()
+            self.executor = None
+        self.precision_plugin.teardown()
+        assert self.accelerator is not None
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description="Stream HF decoder layers from host memory")
+
+
+def _parse_schedule(schedule: str) -> int:
+    match = re.fullmatch(r"interval:(\d+)", schedule.strip())
+    if not match or int(match.group(1)) < 1:
+        raise ValueError(f"schedule={schedule!r} is not understood; use 'interval:K' with K >= 1 (e.g. 'interval:1')")
+    return int(match.group(1))

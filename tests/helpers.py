@@ -1,0 +1,131 @@
+"""Tiny models, data and a LightningModule shared by the strategy tests."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning.pytorch as pl
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    Qwen2Config,
+    Qwen3_5TextConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
+
+VOCAB = 512
+_COMMON = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2,
+)
+_LINEAR = dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
+
+
+def tiny_config(family: str, **overrides):
+    if family == "qwen2":
+        cfg = Qwen2Config(**_COMMON)
+    elif family == "qwen2-tied":
+        cfg = Qwen2Config(**_COMMON, tie_word_embeddings=True)
+    elif family == "qwen3":
+        cfg = Qwen3Config(**_COMMON, head_dim=16)
+    elif family == "qwen3-moe":
+        cfg = Qwen3MoeConfig(**_COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    elif family == "qwen3.5":
+        cfg = Qwen3_5TextConfig(**_COMMON, head_dim=16, **_LINEAR)
+    elif family == "llama":
+        cfg = LlamaConfig(**_COMMON)
+    else:
+        raise KeyError(family)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def tiny_model(family: str, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config(family, **overrides))
+
+
+def batches(n: int, batch: int = 2, seq: int = 16, seed: int = 1, padded: bool = False) -> list[dict]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, VOCAB, (batch, seq), generator=gen)
+        labels = ids.clone()
+        labels[:, : seq // 4] = -100
+        item = {"input_ids": ids, "labels": labels}
+        if padded:
+            mask = torch.ones_like(ids)
+            mask[0, -seq // 4 :] = 0
+            labels[0, -seq // 4 :] = -100
+            item["attention_mask"] = mask
+        out.append(item)
+    return out
+
+
+class LMModule(pl.LightningModule):
+    def __init__(self, model, lr: float = 1e-3, manual: bool = False, clip: float | None = None) -> None:
+        super().__init__()
+        self.model = model
+        self.lr = lr
+        self.automatic_optimization = not manual
+        self.clip = clip
+        self.losses: list[float] = []
+        self.val_losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.losses.append(float(loss.detach()))
+        if not self.automatic_optimization:
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(loss)
+            if self.clip:
+                self.clip_gradients(opt, gradient_clip_val=self.clip, gradient_clip_algorithm="norm")
+            opt.step()
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.val_losses.append(float(loss))
+        self.log("val_loss", loss)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+
+
+def train(model, data, strategy="auto", precision="32-true", max_steps=3, manual=False, clip=None, **trainer_kw):
+    module = LMModule(copy.deepcopy(model), manual=manual, clip=clip)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, precision=precision, max_steps=max_steps,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, **trainer_kw,
+    )
+    trainer.fit(module, train_dataloaders=loader(data))
+    return module, trainer
+
+
+def loader(data):
+    return torch.utils.data.DataLoader(data, batch_size=None, shuffle=False)
+
+
+def rel_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    """||a - b|| / ||b|| over all weights at once.
+
+    Per tensor is the wrong measure after AdamW steps: a tensor whose true gradient is ~0 (k_proj.bias: softmax
+    ignores a per-key shift) gets sign-like +-lr updates from rounding noise in either run.
+    """
+    sa, sb = a.state_dict(), b.state_dict()
+    num = sum(float((sa[k].double() - sb[k].double()).square().sum()) for k in sb)
+    den = sum(float(sb[k].double().square().sum()) for k in sb)
+    return (num / den) ** 0.5
+
+
+def update_rel_diff(start: torch.nn.Module, a: torch.nn.Module, b: torch.nn.Module) -> float:
+    """||(a - start) - (b - start)|| / ||b - start||: how far apart the two runs' total updates are."""
+    s0, sa, sb = start.state_dict(), a.state_dict(), b.state_dict()
+    num = sum(float((sa[k].double() - sb[k].double()).square().sum()) for k in sb)
+    den = sum(float((sb[k].double() - s0[k].double()).square().sum()) for k in sb)
+    return (num / den) ** 0.5
