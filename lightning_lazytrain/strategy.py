@@ -68,6 +68,7 @@ class LazyTrainStrategy(Strategy):
         self.timeout_s = timeout_s
         self.parallel_devices: list[torch.device] | None = None
         self.executor: StreamingExecutor | None = None
+        self.last_step_stats: dict[str, float] = {}
         self.global_rank = self.local_rank = 0
         self.world_size = 1
         _parse_schedule(schedule)
@@ -171,6 +172,7 @@ class LazyTrainStrategy(Strategy):
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.executor is not None:
             self.executor.after_optimizer_step()
+            self.last_step_stats = self.executor.take_stats()
         return result
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -159,6 +159,13 @@ class StreamingExecutor:
     def after_optimizer_step(self) -> None:
         self.store.mark_dirty()
 
+    def take_stats(self) -> dict[str, float]:
+        """Transfer counters since the previous call (one optimizer step when called once per step)."""
+        now = (self.pool.h2d_copies, self.pool.h2d_bytes, self.sink.d2h_bytes)
+        before, self._stats_mark = getattr(self, "_stats_mark", (0, 0, 0)), now
+        copies, h2d, d2h = (a - b for a, b in zip(now, before))
+        return {"layer_h2d_copies": float(copies), "h2d_gib": h2d / 2**30, "d2h_gib": d2h / 2**30}
+
     def head_weight(self) -> torch.Tensor:
         unit, head = self.resident_unit, self.adapter.lm_head
         uid = next(e.uid for e in unit.entries if e.module is head and e.name == "weight")

@@ -92,7 +92,8 @@ class GradSink:
                 staging = self._free.get(timeout=self.timeout_s)
             except queue.Empty as exc:
                 raise TimeoutError(
-                    f"lazytrain waited {self.timeout_s:.0f} s for a gradient staging buffer; the gradient worker is stuck"
+                    f"lazytrain waited {self.timeout_s:.0f} s for a gradient staging buffer;"
+                    " the gradient worker is stuck"
                 ) from exc
             self._batch = _Batch(staging)
         return self._batch
