@@ -143,9 +143,10 @@ def _build(p: ScheduleProblem) -> pyo.ConcreteModel:
     m.home = pyo.Constraint(inner, rule=lambda m, i: m.g[i] + m.c[i] + m.n[i] <= 1)
     m.fout = pyo.Constraint(inner, rule=lambda m, i: qs(m.x[i, e] for e in out_e[i]) == m.g[i] + m.c[i] + m.n[i])
     m.fin = pyo.Constraint(inner, rule=lambda m, i: qs(m.x[s, i] for s in in_s[i]) == m.g[i] + m.c[i] + m.n[i])
-    m.bud_g = pyo.Constraint(expr=qs(a[i] * m.g[i] for i in inner) <= p.gpu_budget_bytes / GIB - a[0] - a[n])
-    m.bud_c = pyo.Constraint(expr=qs(a[i] * m.c[i] for i in inner) <= p.cpu_budget_bytes / GIB)
-    m.bud_n = pyo.Constraint(expr=qs(a[i] * m.n[i] for i in inner) <= p.nvme_budget_bytes / GIB)
+    if inner:  # a 1-layer model has no interior boundary, hence nothing to budget (precheck covered 0 and L)
+        m.bud_g = pyo.Constraint(expr=qs(a[i] * m.g[i] for i in inner) <= p.gpu_budget_bytes / GIB - a[0] - a[n])
+        m.bud_c = pyo.Constraint(expr=qs(a[i] * m.c[i] for i in inner) <= p.cpu_budget_bytes / GIB)
+        m.bud_n = pyo.Constraint(expr=qs(a[i] * m.n[i] for i in inner) <= p.nvme_budget_bytes / GIB)
     m.off_c = pyo.Constraint(moving, rule=lambda m, i: qs(m.dc[i, w] for w in off_w[i]) == a[i] * m.c[i])
     m.off_n = pyo.Constraint(moving, rule=lambda m, i: qs(m.dn[i, w] for w in off_w[i]) == a[i] * m.n[i])
     m.rel_c = pyo.Constraint(moving, rule=lambda m, i: qs(m.hc[i, w] for w in rel_w[i]) == a[i] * m.c[i])
@@ -237,6 +238,12 @@ def _extract(p: ScheduleProblem, m: pyo.ConcreteModel, res, status: str, t_build
     obj = float(res.best_feasible_objective)
     bound = res.best_objective_bound
     gap = 0.0 if bound is None or obj == 0 else max(0.0, (obj - float(bound)) / abs(obj))
+    # Re-check the budgets in exact integer bytes: the solver works in GiB floats with a feasibility tolerance.
+    for tier, budget in (("gpu", p.gpu_budget_bytes), ("cpu", p.cpu_budget_bytes), ("nvme", p.nvme_budget_bytes)):
+        used = sum(b for b, t in zip(p.activation_bytes, tiers, strict=True) if t == tier)
+        if used > budget:
+            raise RuntimeError(f"solver plan puts {used} B on {tier} over its {budget} B budget (round-off); "
+                               f"lower the {tier} budget by a few KiB")
     sched = Schedule(tiers=tiers, objective=obj, status=status, transfers=transfers,
                      max_recompute_span=p.max_recompute_span)
     recompute = sum(p.recompute_seconds(s, e) for s, e in sched.blocks())
