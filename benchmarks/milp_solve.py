@@ -96,6 +96,7 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=10.0)
     ap.add_argument("--gap", type=float, default=0.01)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-sweep", action="store_true", help="skip the 32-problem 64-layer robustness sweep")
     ap.add_argument("--only", default=None, help="substring of the case names to run")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "milp_solve_cpu.json"))
     args = ap.parse_args()
@@ -120,8 +121,29 @@ def main() -> None:
         }
         print(f"{name}: {results[name]['solve_seconds_median']:.2f} s  status={s.status}  gap={s.info['mip_gap']:.4f}"
               f"  counts={s.counts()}  exposed={s.predicted_exposed_seconds:.4f} s", flush=True)
+    sweep = []
+    if not args.only and not args.no_sweep:
+        # Robustness of the 64-layer solve time: spans x budget mixes x PCIe speed, one solve each.
+        shape = SHAPES["qwen3.6-27b"]
+        for span in (2, 4, 8, 16):
+            for fracs in ((0.3, 0.25, 0.2), (0.15, 0.15, 0.15), (0.5, 0.3, 0.3), (0.1, 0.4, 0.4)):
+                for bw in (55e9, 12e9):
+                    prob = realistic_problem(*shape, gpu_frac=fracs[0], cpu_frac=fracs[1], nvme_frac=fracs[2],
+                                             span=span, h2d=bw, d2h=bw)
+                    row = {"span": span, "budget_fracs": fracs, "pcie_bytes_per_s": bw}
+                    t0 = time.perf_counter()
+                    try:
+                        s = solve(prob, time_limit=args.time_limit, mip_gap=args.gap)
+                        row.update(solve_seconds=time.perf_counter() - t0, status=s.status, gap=s.info["mip_gap"],
+                                   counts=s.counts(), predicted_exposed_seconds=s.predicted_exposed_seconds)
+                    except ValueError as e:
+                        row.update(solve_seconds=time.perf_counter() - t0, status="infeasible", error=str(e)[:120])
+                    sweep.append(row)
+        times = sorted(r["solve_seconds"] for r in sweep)
+        print(f"sweep L64: {len(sweep)} problems, median {times[len(times) // 2]:.2f} s, max {times[-1]:.2f} s")
     doc = {"command": " ".join([Path(sys.executable).name] + sys.argv), "git_commit": _commit(),
-           "machine": _machine(), "time_limit": args.time_limit, "mip_gap": args.gap, "results": results}
+           "machine": _machine(), "time_limit": args.time_limit, "mip_gap": args.gap, "results": results,
+           "sweep_qwen3.6-27b-L64": sweep}
     if not args.only:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
