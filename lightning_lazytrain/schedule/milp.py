@@ -190,11 +190,13 @@ def solve(problem: ScheduleProblem, time_limit: float = 10.0, mip_gap: float = 0
     precheck(problem)
     t0 = time.perf_counter()
     m = _build(problem)
-    t_build = time.perf_counter() - t0
     opt = Highs()
     opt.config.load_solution = False
     opt.config.stream_solver = False
-    opt.config.time_limit = max(0.1, float(time_limit) - t_build)
+    # Translate to HiGHS up front so the time limit we hand HiGHS is what is left of the caller's budget.
+    opt.set_instance(m)
+    t_build = time.perf_counter() - t0
+    opt.config.time_limit = max(0.05, float(time_limit) - t_build)
     opt.config.mip_gap = float(mip_gap)
     if threads is not None:
         opt.highs_options = {"threads": int(threads)}
