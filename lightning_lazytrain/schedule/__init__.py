@@ -1,0 +1,34 @@
+"""The activation plan: problem, MILP solver, schedule dataclass and admission control (no CUDA here)."""
+
+from .admission import (
+    PRECISIONS,
+    AdmissionError,
+    AdmissionReport,
+    TierUsage,
+    admission_report,
+    check_admission,
+    host_bytes_per_param,
+)
+from .milp import InfeasibleScheduleError, min_stored_bytes, precheck, solve
+from .problem import ScheduleProblem
+from .schedule import TIERS, Schedule, Transfer, all_gpu_schedule, interval_schedule
+
+__all__ = [
+    "PRECISIONS",
+    "AdmissionError",
+    "AdmissionReport",
+    "TierUsage",
+    "admission_report",
+    "check_admission",
+    "host_bytes_per_param",
+    "TIERS",
+    "InfeasibleScheduleError",
+    "Schedule",
+    "ScheduleProblem",
+    "Transfer",
+    "all_gpu_schedule",
+    "interval_schedule",
+    "min_stored_bytes",
+    "precheck",
+    "solve",
+]

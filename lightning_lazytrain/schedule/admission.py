@@ -1,0 +1,200 @@
+"""Admission control: count host RAM, GPU and disk bytes before step 1 and refuse what cannot fit.
+
+Pure byte accounting, no torch. Host bytes per parameter follow DESIGN.md "Memory per parameter": master weights
+(fp32 4 B, bf16 2 B), the bf16 copy that is streamed (2 B; none when masters are already bf16 or fp32 is streamed),
+gradients (bf16 2 B, fp32 4 B when accumulating or in 32-true), Adam m and v (fp32 8 B, 8-bit 2 B).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+GIB = float(1 << 30)
+PRECISIONS = ("bf16-mixed", "bf16-true", "32-true")
+
+
+class AdmissionError(ValueError):
+    """The configuration cannot fit; the message carries the need-vs-have table and what would make it fit."""
+
+
+def host_bytes_per_param(precision: str, optimizer_state_bytes_per_param: float = 8.0,
+                         grad_accumulation: bool = False) -> dict[str, float]:
+    """Host RAM bytes per *trainable* parameter, by piece."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if optimizer_state_bytes_per_param < 0:
+        raise ValueError("optimizer_state_bytes_per_param must be >= 0")
+    master = 2.0 if precision == "bf16-true" else 4.0
+    streamed = 2.0 if precision == "bf16-mixed" else 0.0  # bf16-true streams its masters, 32-true streams fp32
+    grads = 4.0 if (grad_accumulation or precision == "32-true") else 2.0
+    return {"master weights": master, "streamed bf16 copy": streamed, "gradients": grads,
+            "optimizer states": float(optimizer_state_bytes_per_param)}
+
+
+def _frozen_bytes_per_param(precision: str) -> float:
+    # A frozen parameter needs only what is streamed: no gradient, no optimizer state, no fp32 master.
+    return 4.0 if precision == "32-true" else 2.0
+
+
+@dataclass
+class TierUsage:
+    """Need vs have for one tier, with the pieces that make up the need."""
+
+    name: str
+    have: int
+    pieces: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def need(self) -> int:
+        return int(sum(self.pieces.values()))
+
+    @property
+    def short(self) -> int:
+        return max(0, self.need - self.have)
+
+
+@dataclass
+class AdmissionReport:
+    """Per-tier accounting; ``check()`` raises AdmissionError with the table and suggestions if anything is short."""
+
+    tiers: dict[str, TierUsage]
+    suggestions: list[str]
+    settings: dict
+
+    @property
+    def fits(self) -> bool:
+        return all(t.short == 0 for t in self.tiers.values())
+
+    def table(self) -> str:
+        lines = [f"{'tier':<9} {'piece':<28} {'GiB':>10}"]
+        for t in self.tiers.values():
+            for piece, b in t.pieces.items():
+                lines.append(f"{t.name:<9} {piece:<28} {b / GIB:>10.2f}")
+            verdict = f"SHORT by {t.short / GIB:.2f} GiB" if t.short else "ok"
+            lines.append(f"{t.name:<9} {'= need / have':<28} {t.need / GIB:>10.2f} / {t.have / GIB:.2f}  {verdict}")
+        return "\n".join(lines)
+
+    def check(self) -> None:
+        if self.fits:
+            return
+        short = ", ".join(f"{t.name} short by {t.short / GIB:.2f} GiB" for t in self.tiers.values() if t.short)
+        hints = "\n".join(f"  - {s}" for s in self.suggestions) or "  - no single setting fixes it"
+        raise AdmissionError(f"configuration does not fit ({short}):\n{self.table()}\nwhat would make it fit:\n{hints}")
+
+
+def _total(params: int | Iterable[int]) -> int:
+    if isinstance(params, int):
+        n = params
+    else:
+        n = sum(int(p) for p in params)
+    if n < 0:
+        raise ValueError("parameter counts must be >= 0")
+    return n
+
+
+def admission_report(
+    *,
+    num_params: int | Iterable[int],
+    host_have_bytes: int,
+    gpu_have_bytes: int,
+    disk_have_bytes: int = 0,
+    frozen_params: int | Iterable[int] = 0,
+    precision: str = "bf16-mixed",
+    optimizer_state_bytes_per_param: float = 8.0,
+    grad_accumulation: bool = False,
+    pinned_slot_bytes: int = 0,
+    cpu_activation_bytes: int = 0,
+    host_other_bytes: int = 0,
+    gpu_slot_bytes: int = 0,
+    gpu_resident_bytes: int = 0,
+    gpu_workspace_bytes: int = 0,
+    gpu_activation_bytes: int = 0,
+    disk_bytes: int = 0,
+) -> AdmissionReport:
+    """Count every tier's bytes for a configuration.
+
+    Args:
+        num_params: trainable parameter count, or per-layer counts (summed).
+        frozen_params: parameters that are streamed but not trained (no grads / states).
+        pinned_slot_bytes: host staging buffers beyond the parameter store (e.g. grad bounce buffers).
+        cpu_activation_bytes: boundaries the schedule homes in pinned CPU memory.
+        host_other_bytes: anything else the caller knows of (dataloader workers, tokenizer, ...).
+        gpu_slot_bytes / gpu_resident_bytes / gpu_workspace_bytes / gpu_activation_bytes: the GPU weight slots,
+            parts kept on the GPU (embeddings, head, norms), peak per-layer workspace, GPU-homed boundaries.
+        disk_bytes: NVMe-homed boundaries in the spill dir.
+        host_have_bytes / gpu_have_bytes / disk_have_bytes: what the machine offers.
+    """
+    trainable, frozen = _total(num_params), _total(frozen_params)
+    per = host_bytes_per_param(precision, optimizer_state_bytes_per_param, grad_accumulation)
+    host = TierUsage("host RAM", int(host_have_bytes))
+    for piece, b in per.items():
+        if b:
+            host.pieces[piece] = int(b * trainable)
+    if frozen:
+        host.pieces["frozen weights"] = int(_frozen_bytes_per_param(precision) * frozen)
+    for piece, b in (("pinned slots", pinned_slot_bytes), ("CPU activations", cpu_activation_bytes),
+                     ("other", host_other_bytes)):
+        if b:
+            host.pieces[piece] = int(b)
+    gpu = TierUsage("GPU", int(gpu_have_bytes), {k: int(v) for k, v in (
+        ("weight slots", gpu_slot_bytes), ("resident parts", gpu_resident_bytes),
+        ("workspace", gpu_workspace_bytes), ("GPU activations", gpu_activation_bytes)) if v})
+    disk = TierUsage("disk", int(disk_have_bytes), {"NVMe activations": int(disk_bytes)} if disk_bytes else {})
+    settings = {"trainable_params": trainable, "frozen_params": frozen, "precision": precision,
+                "optimizer_state_bytes_per_param": optimizer_state_bytes_per_param,
+                "grad_accumulation": grad_accumulation, "host_bytes_per_param": sum(per.values())}
+    report = AdmissionReport({"host": host, "gpu": gpu, "disk": disk}, [], settings)
+    report.suggestions = _suggest(report, per, trainable, disk_have_bytes - disk_bytes)
+    return report
+
+
+def _suggest(r: AdmissionReport, per: dict[str, float], trainable: int, disk_free: int) -> list[str]:
+    """What single change would close each shortfall; says '(enough)' when it alone would make the tier fit."""
+    out = []
+    s = r.settings
+    cur = sum(per.values())
+
+    def note(saving: float, short: int) -> str:
+        return f"saves {saving / GIB:.2f} GiB" + (" (enough)" if saving >= short else " (not enough alone)")
+
+    host, gpu, disk = r.tiers["host"], r.tiers["gpu"], r.tiers["disk"]
+    if host.short:
+        if s["optimizer_state_bytes_per_param"] > 2:
+            save = (s["optimizer_state_bytes_per_param"] - 2) * trainable
+            out.append(f"8-bit optimizer states (2 B/param instead of {s['optimizer_state_bytes_per_param']:g}): "
+                       f"{note(save, host.short)}")
+        if s["precision"] != "bf16-true":
+            alt = sum(host_bytes_per_param("bf16-true", s["optimizer_state_bytes_per_param"],
+                                           s["grad_accumulation"]).values())
+            saving = note((cur - alt) * trainable, host.short)
+            out.append(f"precision='bf16-true' (bf16 masters, stochastic rounding): {saving}")
+            both = sum(host_bytes_per_param("bf16-true", min(2, s["optimizer_state_bytes_per_param"]),
+                                            s["grad_accumulation"]).values())
+            if both < alt:
+                out.append(f"bf16-true + 8-bit states ({both:g} B/param): {note((cur - both) * trainable, host.short)}")
+        if s["grad_accumulation"] and per["gradients"] > 2 and s["precision"] != "32-true":
+            out.append(f"no gradient accumulation (bf16 grads): {note(2 * trainable, host.short)}")
+        act = host.pieces.get("CPU activations", 0)
+        if act:
+            where = "move them to a spill dir" if disk_free >= act else "add a spill dir for them"
+            out.append(f"smaller batch or fewer CPU-homed boundaries ({where}): frees up to {act / GIB:.2f} GiB"
+                       + (" (enough)" if act >= host.short else ""))
+    if gpu.short:
+        act = gpu.pieces.get("GPU activations", 0)
+        if act:
+            out.append(f"smaller batch, or a plan with fewer GPU-homed boundaries (more CPU/NVMe/recompute): frees up "
+                       f"to {act / GIB:.2f} GiB" + (" (enough)" if act >= gpu.short else ""))
+        ws = gpu.pieces.get("workspace", 0)
+        if ws:
+            out.append(f"smaller batch or sequence (workspace {ws / GIB:.2f} GiB scales with tokens)")
+    if disk.short:
+        out.append(f"a spill dir with {disk.short / GIB:.2f} GiB more free space, or fewer NVMe-homed boundaries")
+    return out
+
+
+def check_admission(**kwargs) -> AdmissionReport:
+    """``admission_report(**kwargs)`` then ``check()``; returns the report when it fits."""
+    r = admission_report(**kwargs)
+    r.check()
+    return r

@@ -1,0 +1,109 @@
+"""The inputs of the activation-placement plan: one `ScheduleProblem` per (model shape, batch, machine).
+
+Indexing used everywhere in `schedule/`: layers ``j = 0..L-1`` (0-based); layer ``j`` reads boundary ``j`` and
+writes boundary ``j + 1``, so boundaries are ``0..L`` (0 = input of the first decoder layer, L = output of the
+last). Window ``w`` is layer ``w``'s compute (its forward and its backward together, as in the paper's model).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+GIB = float(1 << 30)
+
+
+def _check_list(name: str, values: list, length: int, *, integral: bool) -> None:
+    if not isinstance(values, (list, tuple)):
+        raise TypeError(f"ScheduleProblem.{name} must be a list, got {type(values).__name__}")
+    if len(values) != length:
+        raise ValueError(f"ScheduleProblem.{name} must have {length} entries, got {len(values)}")
+    for k, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"ScheduleProblem.{name}[{k}] must be a number, got {v!r}")
+        if integral and not float(v).is_integer():
+            raise ValueError(f"ScheduleProblem.{name}[{k}] must be a whole number of bytes, got {v!r}")
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"ScheduleProblem.{name}[{k}] must be finite and >= 0, got {v!r}")
+
+
+def _check_scalar(name: str, v: float, *, positive: bool) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"ScheduleProblem.{name} must be a number, got {v!r}")
+    if math.isnan(v) or v < 0 or (positive and v == 0):
+        raise ValueError(f"ScheduleProblem.{name} must be {'> 0' if positive else '>= 0'}, got {v!r}")
+
+
+@dataclass
+class ScheduleProblem:
+    """Everything the MILP needs, in bytes, seconds and bytes per second.
+
+    Args:
+        activation_bytes: ``A_i`` for boundaries ``0..L`` (L+1 entries): bytes of the hidden state at boundary i.
+        forward_seconds: ``rho_j`` for layers ``0..L-1``: time of one forward of layer j (the re-forward cost).
+        window_seconds: compute time of window w (layer w's forward + backward), the time transfers can hide in.
+        param_h2d_bytes: mandatory parameter bytes copied host->GPU during window w (both passes together).
+        grad_d2h_bytes: mandatory gradient bytes copied GPU->host during window w.
+        gpu_budget_bytes / cpu_budget_bytes / nvme_budget_bytes: bytes available for saved boundaries per home
+            (GPU counts boundaries 0 and L, which always stay there).
+        h2d_bytes_per_s / d2h_bytes_per_s: PCIe bandwidth per direction.
+        nvme_read_bytes_per_s / nvme_write_bytes_per_s: spill-disk bandwidth.
+        max_recompute_span: longest recompute block (e - s) allowed; 1 means every boundary is materialized.
+        head_seconds: compute between the last forward and the first backward (lm_head + loss); reloads of
+            boundaries whose block ends at L can only hide there. Default 0: such reloads are fully exposed.
+        lambda_materialize / lambda_cpu / lambda_nvme: tie-breakers (seconds per boundary) that prefer fewer
+            materialized boundaries, then GPU over CPU over NVMe, when the main objective is tied.
+    """
+
+    activation_bytes: list[int]
+    forward_seconds: list[float]
+    window_seconds: list[float]
+    param_h2d_bytes: list[int]
+    grad_d2h_bytes: list[int]
+    gpu_budget_bytes: int
+    cpu_budget_bytes: int
+    nvme_budget_bytes: int
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    nvme_read_bytes_per_s: float
+    nvme_write_bytes_per_s: float
+    max_recompute_span: int
+    head_seconds: float = 0.0
+    lambda_materialize: float = 1e-7
+    lambda_cpu: float = 1e-8
+    lambda_nvme: float = 1e-7
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.activation_bytes, (list, tuple)) or len(self.activation_bytes) < 2:
+            raise ValueError("ScheduleProblem.activation_bytes needs L+1 >= 2 entries (boundaries 0..L)")
+        n = len(self.activation_bytes) - 1
+        _check_list("activation_bytes", self.activation_bytes, n + 1, integral=True)
+        _check_list("forward_seconds", self.forward_seconds, n, integral=False)
+        _check_list("window_seconds", self.window_seconds, n, integral=False)
+        _check_list("param_h2d_bytes", self.param_h2d_bytes, n, integral=True)
+        _check_list("grad_d2h_bytes", self.grad_d2h_bytes, n, integral=True)
+        for name in ("gpu_budget_bytes", "cpu_budget_bytes", "nvme_budget_bytes", "head_seconds",
+                     "lambda_materialize", "lambda_cpu", "lambda_nvme"):
+            _check_scalar(name, getattr(self, name), positive=False)
+        for name in ("h2d_bytes_per_s", "d2h_bytes_per_s", "nvme_read_bytes_per_s", "nvme_write_bytes_per_s"):
+            _check_scalar(name, getattr(self, name), positive=True)
+        span = self.max_recompute_span
+        if isinstance(span, bool) or not isinstance(span, int) or span < 1:
+            raise ValueError(f"ScheduleProblem.max_recompute_span must be an int >= 1, got {span!r}")
+        # Normalise to plain Python lists of the right type so JSON and the solver see one representation.
+        self.activation_bytes = [int(v) for v in self.activation_bytes]
+        self.param_h2d_bytes = [int(v) for v in self.param_h2d_bytes]
+        self.grad_d2h_bytes = [int(v) for v in self.grad_d2h_bytes]
+        self.forward_seconds = [float(v) for v in self.forward_seconds]
+        self.window_seconds = [float(v) for v in self.window_seconds]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.activation_bytes) - 1
+
+    def recompute_seconds(self, s: int, e: int) -> float:
+        """R(s, e): re-forward time of block (s, e); its last layer runs with grad anyway, so it is free."""
+        return float(sum(self.forward_seconds[s : e - 1]))
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -1,0 +1,52 @@
+import time
+
+import pytest
+
+from lightning_lazytrain.schedule import ScheduleProblem, solve
+
+GIB = 1 << 30
+
+
+def hard_64_layer_problem(span: int = 16) -> ScheduleProblem:
+    """27B-shaped (hidden 5120, batch 16 x 1024) with a small GPU budget: the slowest case of the benchmark sweep."""
+    n, act, params = 64, 16 * 1024 * 5120 * 2, 350.2e6
+    fwd = [2 * params * 16 * 1024 / 400e12 * (1.0 + 0.02 * ((j * 7) % 5)) for j in range(n)]
+    total = act * (n + 1)
+    return ScheduleProblem(
+        activation_bytes=[act] * (n + 1), forward_seconds=fwd, window_seconds=[3 * f for f in fwd],
+        param_h2d_bytes=[int(4 * params)] * n, grad_d2h_bytes=[int(2 * params)] * n,
+        gpu_budget_bytes=int(0.1 * total), cpu_budget_bytes=int(0.4 * total), nvme_budget_bytes=int(0.4 * total),
+        h2d_bytes_per_s=55e9, d2h_bytes_per_s=55e9, nvme_read_bytes_per_s=1.28e9, nvme_write_bytes_per_s=0.51e9,
+        max_recompute_span=span)
+
+
+def test_time_limit_honoured():
+    p = hard_64_layer_problem()
+    t0 = time.perf_counter()
+    try:
+        s = solve(p, time_limit=1.5, mip_gap=1e-9)
+    except RuntimeError as e:  # no incumbent yet is a legitimate outcome of a very short limit
+        assert "no plan" in str(e)
+    else:
+        assert s.status in ("time_limit", "optimal")
+    assert time.perf_counter() - t0 < 1.5 + 1.0
+
+
+def test_gap_honoured_and_reported():
+    s = solve(hard_64_layer_problem(span=4), time_limit=30, mip_gap=0.05)
+    assert s.status == "optimal" and s.info["mip_gap"] <= 0.05 + 1e-9
+    assert s.info["num_binaries"] > 0 and s.info["solve_seconds"] < 30
+
+
+@pytest.mark.parametrize("head", [0.0, 1.0])
+def test_head_window_hides_last_reloads(head):
+    # 2 layers, boundary 1 can only live on the CPU; its block (1, 2) ends at L, so only the head window can hide
+    # the reload. With no head time it is fully exposed: A / B_H seconds.
+    p = ScheduleProblem(
+        activation_bytes=[GIB, GIB, GIB], forward_seconds=[10.0, 10.0], window_seconds=[30.0, 30.0],
+        param_h2d_bytes=[0, 0], grad_d2h_bytes=[0, 0], gpu_budget_bytes=2 * GIB, cpu_budget_bytes=GIB,
+        nvme_budget_bytes=0, h2d_bytes_per_s=GIB, d2h_bytes_per_s=GIB, nvme_read_bytes_per_s=GIB,
+        nvme_write_bytes_per_s=GIB, max_recompute_span=1, head_seconds=head)
+    s = solve(p, mip_gap=1e-9)
+    assert s.tiers == ["gpu", "cpu", "gpu"]
+    assert s.predicted_exposed_seconds == pytest.approx(1.0 - head, abs=1e-6)
