@@ -96,12 +96,13 @@ class LMModule(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
 
 
-def train(model, data, strategy="auto", precision="32-true", max_steps=3, manual=False, clip=None, **trainer_kw):
+def train(model, data, strategy="auto", precision="32-true", max_steps=3, manual=False, clip=None, accelerator="cpu",
+          **trainer_kw):
     module = LMModule(copy.deepcopy(model), manual=manual, clip=clip)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, precision=precision, max_steps=max_steps,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, **trainer_kw,
+        accelerator=accelerator, devices=1, strategy=strategy, precision=precision, max_steps=max_steps,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        **{"enable_checkpointing": False, **trainer_kw},
     )
     trainer.fit(module, train_dataloaders=loader(data))
     return module, trainer

@@ -106,17 +106,19 @@ def test_validation_loop_matches():
 
 
 def test_two_steps_resume_two_steps_equals_four(tmp_path):
-    model, data = tiny_model("qwen2"), batches(4)
-    straight, _ = train(model, data, strategy="lazytrain", max_steps=4)
-    first, trainer = train(model, data[:2], strategy="lazytrain", max_steps=2)
-    ckpt = tmp_path / "two.ckpt"
-    trainer.save_checkpoint(ckpt)
+    """Four steps with a checkpoint after step 2; resuming from it and running steps 3-4 gives the same weights."""
+    model, data = tiny_model("qwen2"), batches(2)
+    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    straight, _ = train(model, data, strategy="lazytrain", max_steps=4, callbacks=[saver], enable_checkpointing=True)
+    ckpt = tmp_path / "epoch=0-step=2.ckpt"
+    assert ckpt.exists(), sorted(p.name for p in tmp_path.iterdir())
     resumed = LMModule(copy.deepcopy(model))
     trainer = pl.Trainer(accelerator="cpu", strategy="lazytrain", max_steps=4, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(resumed, loader(data[2:]), ckpt_path=ckpt)
-    assert rel_diff(resumed.model, straight.model) <= 1e-6
-    assert resumed.losses == pytest.approx(straight.losses[2:], rel=1e-6)
+    trainer.fit(resumed, loader(data), ckpt_path=ckpt)
+    assert rel_diff(resumed.model, model) > 1e-3
+    assert resumed.losses == straight.losses[2:]
+    assert rel_diff(resumed.model, straight.model) == 0.0
 
 
 def test_generate_through_streamed_layers_matches_plain():

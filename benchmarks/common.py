@@ -1,0 +1,144 @@
+"""Shared pieces of the GPU benchmarks: Qwen shapes, random data, a CUDA-event step timer, result files."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import lightning.pytorch as pl
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+SHAPES = {
+    "qwen2.5-3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                       num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, tie_word_embeddings=False),
+    "qwen2.5-14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+                        num_key_value_heads=8, tie_word_embeddings=False),
+}
+
+
+def qwen_config(shape: str) -> Qwen2Config:
+    return Qwen2Config(vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
+                       **SHAPES[shape])
+
+
+def random_model(shape: str, device: str = "cuda", dtype: torch.dtype = torch.float32):
+    torch.manual_seed(0)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(qwen_config(shape), dtype=dtype)
+
+
+def model_flops_per_token(cfg: Qwen2Config, num_params: int, seq: int) -> float:
+    """The convention of REFERENCE.md: 6N plus the attention term 12 * layers * hidden * seq."""
+    return 6 * num_params + 12 * cfg.num_hidden_layers * cfg.hidden_size * seq
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    def __init__(self, steps: int, batch: int, seq: int, vocab: int = 151936) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.items = [torch.randint(0, vocab, (batch, seq), generator=gen) for _ in range(steps)]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.items[i], "labels": self.items[i]}
+
+
+class BenchModule(pl.LightningModule):
+    def __init__(self, model, fused_cpu_adam: bool = True) -> None:
+        super().__init__()
+        self.model = model
+        self.fused_cpu_adam = fused_cpu_adam
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+
+    def configure_optimizers(self):
+        on_cpu = next(self.model.parameters()).device.type == "cpu"
+        return torch.optim.AdamW(self.parameters(), lr=1e-5, weight_decay=0.01, fused=True if on_cpu else None,
+                                 foreach=None)
+
+
+class StepTimer(pl.Callback):
+    """CUDA events at batch start, before the optimizer step and at batch end; read only after the run."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event]] = []
+        self._open: list[torch.cuda.Event] = []
+        self.stats: list[dict] = []
+
+    def _event(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def on_train_batch_start(self, trainer, *args):
+        self._open = [self._event()]
+
+    def on_before_optimizer_step(self, trainer, *args):
+        self._open.append(self._event())
+
+    def on_train_batch_end(self, trainer, *args):
+        self._open.append(self._event())
+        self.marks.append(tuple(self._open))
+        self.stats.append(dict(getattr(trainer.strategy, "last_step_stats", {}) or {}))
+
+    def summary(self, warmup: int) -> dict:
+        torch.cuda.synchronize()
+        rows = self.marks[warmup:]
+        starts = [m[0] for m in self.marks]
+        step = [starts[i].elapsed_time(starts[i + 1]) / 1e3 for i in range(warmup, len(starts) - 1)]
+        fwd_bwd = [a.elapsed_time(b) / 1e3 for a, b, _ in rows]
+        opt = [b.elapsed_time(c) / 1e3 for _, b, c in rows]
+        last = [a.elapsed_time(c) / 1e3 for a, _, c in rows]
+        return {
+            "step_s": statistics.median(step) if step else statistics.median(last),
+            "fwd_bwd_s": statistics.median(fwd_bwd),
+            "optimizer_s": statistics.median(opt),
+            "steps_timed": len(rows),
+            "engine": self.stats[-1] if self.stats else {},
+        }
+
+
+def run_fit(module, strategy, precision: str, data, timer: StepTimer, **kw) -> None:
+    trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=strategy, precision=precision,
+                         max_steps=len(data), logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[timer], num_sanity_val_steps=0, **kw)
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))
+
+
+def host_peak_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def machine() -> dict:
+    props = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None
+    return {"gpu": props.name if props else None, "gpu_gib": props.total_memory / 2**30 if props else None,
+            "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": __import__("transformers").__version__, "lightning": pl.__version__}
+
+
+def commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("LAZYTRAIN_COMMIT", "unknown")
+
+
+def write_results(path: str, payload: dict) -> None:
+    payload = {"command": " ".join([sys.executable.split("/")[-1], *sys.argv]), "commit": commit(),
+               "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), **payload}
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=2)
+    os.replace(tmp, path)

@@ -1,0 +1,109 @@
+"""Issue 2 on the GPU: lazytrain vs the same model fully resident, Qwen2.5-3B shape, bf16, seq 1024, batch 8.
+
+    python benchmarks/foundation_gpu.py --out benchmarks/results/foundation_h200.json
+
+Resident runs keep everything on the GPU (bf16 weights and fused GPU AdamW: the setting REFERENCE.md's anchors
+were measured in). lazytrain runs bf16-mixed with fp32 masters and fused CPU AdamW on the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import traceback
+
+import torch
+from common import (
+    BenchModule,
+    RandomTokens,
+    StepTimer,
+    host_peak_gib,
+    model_flops_per_token,
+    qwen_config,
+    random_model,
+    run_fit,
+    write_results,
+)
+
+import lightning_lazytrain  # noqa: F401
+from lightning_lazytrain import LazyTrainStrategy
+
+
+def measure(name, module, strategy, precision, data, warmup, tokens, flops_per_token):
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    timer = StepTimer()
+    try:
+        run_fit(module, strategy, precision, data, timer)
+    except Exception as exc:  # a variant that fails records why and the suite goes on
+        traceback.print_exc()
+        return {"variant": name, "status": f"{type(exc).__name__}: {exc}"[:400]}
+    row = {"variant": name, "status": "ok", **timer.summary(warmup)}
+    row["gpu_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    row["host_peak_gib"] = host_peak_gib()
+    row["tokens_per_s"] = tokens / row["step_s"]
+    row["model_tflops"] = flops_per_token * tokens / row["step_s"] / 1e12
+    row["fwd_bwd_model_tflops"] = flops_per_token * tokens / row["fwd_bwd_s"] / 1e12
+    print(name, {k: v for k, v in row.items() if k != "engine"}, flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="benchmarks/results/foundation_h200.json")
+    parser.add_argument("--shape", default="qwen2.5-3b")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--graph-layers", type=int, nargs="*", default=[0, 12])
+    args = parser.parse_args()
+
+    cfg = qwen_config(args.shape)
+    data = RandomTokens(args.steps, args.batch, args.seq)
+    tokens = args.batch * args.seq
+    rows = []
+    model = random_model(args.shape, "cuda", torch.bfloat16)
+    num_params = sum(p.numel() for p in model.parameters())
+    fpt = model_flops_per_token(cfg, num_params, args.seq)
+    rows.append(measure("resident", BenchModule(model), "auto", "bf16-true", data, args.warmup, tokens, fpt))
+    model.gradient_checkpointing_enable()
+    rows.append(measure("resident-ckpt", BenchModule(model), "auto", "bf16-true", data, args.warmup, tokens, fpt))
+    model.gradient_checkpointing_disable()
+    model = model.to("cpu", torch.float32)
+    gc.collect()
+    torch.cuda.empty_cache()
+    for k in args.graph_layers:
+        strategy = LazyTrainStrategy(schedule="interval:1", keep_graph_layers=k)
+        rows.append(measure(f"lazytrain-graph{k}", BenchModule(model), strategy, "bf16-mixed", data, args.warmup,
+                            tokens, fpt))
+    strategy = LazyTrainStrategy(schedule="interval:4")
+    rows.append(measure("lazytrain-interval4", BenchModule(model), strategy, "bf16-mixed", data, args.warmup,
+                        tokens, fpt))
+    ok = {r["variant"]: r for r in rows if r["status"] == "ok"}
+    checks = {}
+    if "resident" in ok:
+        for name, r in ok.items():
+            if name.startswith("lazytrain"):
+                checks[name] = {
+                    "fwd_bwd_vs_resident": r["fwd_bwd_s"] / ok["resident"]["fwd_bwd_s"],
+                    "fwd_bwd_vs_resident_ckpt": r["fwd_bwd_s"] / ok["resident-ckpt"]["fwd_bwd_s"]
+                    if "resident-ckpt" in ok else None,
+                    "gpu_peak_vs_resident": r["gpu_peak_gib"] / ok["resident"]["gpu_peak_gib"],
+                    "optimizer_share_of_step": r["optimizer_s"] / r["step_s"],
+                }
+    write_results(args.out, {"shape": args.shape, "batch": args.batch, "seq": args.seq, "num_params": num_params,
+                             "runs": rows, "checks": checks})
+    print(f"{'variant':24} {'step s':>8} {'fwd+bwd s':>10} {'opt s':>7} {'GPU GiB':>8} {'TFLOPS':>7}")
+    for r in rows:
+        if r["status"] == "ok":
+            print(f"{r['variant']:24} {r['step_s']:8.3f} {r['fwd_bwd_s']:10.3f} {r['optimizer_s']:7.3f} "
+                  f"{r['gpu_peak_gib']:8.1f} {r['model_tflops']:7.1f}")
+        else:
+            print(f"{r['variant']:24} {r['status']}")
+    for name, c in checks.items():
+        print(name, {k: round(v, 3) if v is not None else None for k, v in c.items()})
+
+
+if __name__ == "__main__":
+    main()
