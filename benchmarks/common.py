@@ -128,6 +128,8 @@ def machine() -> dict:
 
 
 def commit() -> str:
+    if os.environ.get("LAZYTRAIN_COMMIT"):
+        return os.environ["LAZYTRAIN_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
     except (OSError, subprocess.CalledProcessError):
