@@ -31,7 +31,7 @@ def grad_norm_sq(tensors: Iterable[torch.Tensor | None]) -> torch.Tensor:
     for t in ts:
         groups.setdefault((t.device, t.dtype), []).append(t)
     total = torch.zeros((), dtype=torch.float32, device=device)
-    for (dev, dtype), group in groups.items():
+    for (_dev, dtype), group in groups.items():
         if dtype in (torch.float32, torch.float64):
             norms = torch._foreach_norm(group, 2)
         else:

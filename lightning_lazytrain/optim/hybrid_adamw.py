@@ -143,8 +143,10 @@ class HybridAdamW(Optimizer):
         if param not in self._group_of:
             raise KeyError("register_stream_copy: parameter is not managed by this optimizer")
         if copy.dtype != torch.bfloat16 or copy.shape != param.shape or copy.device != param.device:
-            raise ValueError(f"stream copy must be bf16 {tuple(param.shape)} on {param.device}, got {copy.dtype} "
-                             f"{tuple(copy.shape)} on {copy.device}")
+            raise ValueError(
+                f"stream copy must be bf16 {tuple(param.shape)} on {param.device}, got {copy.dtype} "
+                f"{tuple(copy.shape)} on {copy.device}"
+            )
         if not copy.is_contiguous():
             raise ValueError("stream copy must be contiguous")
         self._stream_copies[param] = copy
@@ -207,16 +209,41 @@ class HybridAdamW(Optimizer):
             if g.device.type != "cpu":
                 raise ValueError("a CPU parameter needs a CPU gradient")
             _kernel.run_step(
-                param=p, grad=g.contiguous(), m=st.get("exp_avg"), v=st.get("exp_avg_sq"),
-                mq=st.get("exp_avg_codes"), vq=st.get("exp_avg_sq_codes"), mabs=st.get("exp_avg_absmax"),
-                vabs=st.get("exp_avg_sq_absmax"), copy=copy, block=block, decay=decay, beta1=beta1, beta2=beta2,
-                neg_step=neg_step, bc2_sqrt=bc2_sqrt, eps=eps, grad_scale=clip_coef, sr_key=sr_key,
+                param=p,
+                grad=g.contiguous(),
+                m=st.get("exp_avg"),
+                v=st.get("exp_avg_sq"),
+                mq=st.get("exp_avg_codes"),
+                vq=st.get("exp_avg_sq_codes"),
+                mabs=st.get("exp_avg_absmax"),
+                vabs=st.get("exp_avg_sq_absmax"),
+                copy=copy,
+                block=block,
+                decay=decay,
+                beta1=beta1,
+                beta2=beta2,
+                neg_step=neg_step,
+                bc2_sqrt=bc2_sqrt,
+                eps=eps,
+                grad_scale=clip_coef,
+                sr_key=sr_key,
                 nthreads=self.num_threads or torch.get_num_threads(),
             )
         else:
             reference_step(
-                param=p, grad=g.to(p.device), state=st, copy=copy, block=block, decay=decay, beta1=beta1,
-                beta2=beta2, neg_step=neg_step, bc2_sqrt=bc2_sqrt, eps=eps, grad_scale=clip_coef, sr_key=sr_key,
+                param=p,
+                grad=g.to(p.device),
+                state=st,
+                copy=copy,
+                block=block,
+                decay=decay,
+                beta1=beta1,
+                beta2=beta2,
+                neg_step=neg_step,
+                bc2_sqrt=bc2_sqrt,
+                eps=eps,
+                grad_scale=clip_coef,
+                sr_key=sr_key,
             )
 
     # ----------------------------------------------------------------- checkpoint
@@ -225,13 +252,13 @@ class HybridAdamW(Optimizer):
         groups = self.param_groups
         saved_groups = state_dict["param_groups"]
         if len(groups) != len(saved_groups) or any(
-            len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)
+            len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups, strict=True)
         ):
             raise ValueError("loaded state dict does not match this optimizer's parameter groups")
-        id_map = {
-            old: p for g, s in zip(groups, saved_groups) for old, p in zip(s["params"], g["params"])
-        }
-        for g, s in zip(groups, saved_groups):
+        id_map = {}
+        for g, s in zip(groups, saved_groups, strict=True):
+            id_map.update(zip(s["params"], g["params"], strict=True))
+        for g, s in zip(groups, saved_groups, strict=True):
             g.update({k: v for k, v in s.items() if k != "params"})
         new_state = {}
         for old_id, saved in state_dict["state"].items():

@@ -129,7 +129,7 @@ def load_kernel() -> ctypes.CDLL:
             raise KernelUnavailable(_error) from e
         lib.lt_adamw_step.argtypes = [ctypes.POINTER(LtArgs)]
         lib.lt_adamw_step.restype = ctypes.c_int
-        tabs = [t.contiguous() for s in (True, False) for t in quant_tables(s)]
+        tabs = [t.contiguous() for s in (True, False) for t in quant_tables(s)]  # code, thr per map
         lib.lt_set_tables(*[ctypes.c_void_p(t.data_ptr()) for t in tabs])
         _lib = lib
         return lib

@@ -6,15 +6,15 @@ a decimal exponent plus a linear fraction) applied to ``x / absmax``. First mome
 moments (never negative) the unsigned one, as bitsandbytes' 8-bit optimizers do, so codes and absmax can be
 handed to ``bitsandbytes.functional.dequantize_blockwise`` unchanged.
 
-Encoding uses a lookup table instead of a search: the top 16 bits of the fp32 pattern of ``x`` (sign, exponent,
-7 mantissa bits) select a bucket; every bucket contains at most one decision threshold of the map (checked when
-the table is built), so ``code = lut[bits >> 16] + (x > threshold[lut[bits >> 16]])`` is the exact nearest code.
-The C kernel and the torch reference below use the same tables, hence the same codes.
+Encoding is exact nearest-value: the code of ``x`` is the number of decision thresholds (midpoints between
+neighbouring map values) strictly below ``x``. The C kernel finds it by an 8-level binary search held in AVX-512
+registers, the torch reference below by ``searchsorted``; both use the same fp32 thresholds, hence the same codes.
+(bitsandbytes' own CPU quantizer is not always nearest for tiny values; its codes decode identically here.)
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -24,10 +24,11 @@ __all__ = [
     "quantize_blockwise",
     "dequantize_blockwise",
     "encode_normalized",
+    "nearest_code",
 ]
 
 
-@lru_cache(maxsize=None)
+@cache
 def dynamic_map(signed: bool) -> torch.Tensor:
     """The 256 sorted values of the dynamic map (7 exponent bits), bit-identical to bitsandbytes'."""
     values: list[float] = []
@@ -46,8 +47,8 @@ def dynamic_map(signed: bool) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32)
 
 
-def _nearest(x: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
-    """Nearest code index by brute force (ties to the lower index); used only to build and check tables."""
+def nearest_code(x: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
+    """Nearest code index by brute force (ties to the lower index): the specification the tests check against."""
     out = torch.empty(x.numel(), dtype=torch.int64)
     for s in range(0, x.numel(), 1 << 14):
         part = x[s : s + (1 << 14)]
@@ -55,41 +56,32 @@ def _nearest(x: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@lru_cache(maxsize=None)
-def quant_tables(signed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(code book fp32[256], lut uint8[65536], threshold fp32[256]) for the signed or unsigned map."""
+@cache
+def quant_tables(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(code book fp32[256], decision thresholds fp32[256]) for the signed or unsigned map.
+
+    ``thr[j]`` is the midpoint of codes j and j+1 (``thr[255] = +inf``); the nearest code of ``x`` is the number
+    of thresholds strictly below ``x`` (ties to the lower code), which the kernel finds by binary search.
+    """
     code = dynamic_map(signed)
-    # Decision thresholds between neighbours; duplicates (the unsigned map's padding zeros) give equal values.
     thr = torch.empty(256, dtype=torch.float32)
     thr[:255] = (code[:-1] + code[1:]) / 2
     thr[255] = float("inf")
-    prefixes = torch.arange(65536, dtype=torch.int64)
-    lo_bits = (prefixes << 16).to(torch.int64)
-    hi_bits = lo_bits | 0xFFFF
-    # int64 -> int32 keeps the low 32 bits, the fp32 pattern we want.
-    lo = lo_bits.to(torch.int32).view(torch.float32).clone()
-    hi = hi_bits.to(torch.int32).view(torch.float32).clone()
-    # Outside [-1, 1] clamp to the end codes (normalized values only get there by rounding); NaN buckets follow
-    # their sign like infinities do.
-    sign = torch.where(prefixes >= 32768, -1.0, 1.0)
-    lo = torch.where(lo.isnan(), sign, lo).clamp(-1.0, 1.0)
-    hi = torch.where(hi.isnan(), sign, hi).clamp(-1.0, 1.0)
-    n_lo, n_hi = _nearest(lo, code), _nearest(hi, code)
-    first = torch.minimum(n_lo, n_hi)
-    # The lookup is exact only if no bucket straddles two thresholds (the map has no duplicate values).
-    if bool(((n_lo - n_hi).abs() > 1).any()):
-        raise AssertionError("dynamic map too fine for a 16-bit lookup table")
-    lut = first.to(torch.uint8)
-    return code, lut.contiguous(), thr
+    return code, thr
+
+
+@cache
+def _device_tables(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    code, thr = quant_tables(signed)
+    return code.to(device), thr.to(device)
 
 
 def encode_normalized(x: torch.Tensor, signed: bool) -> torch.Tensor:
-    """Codes (uint8) of values already divided by their block absmax, via the lookup table (any device)."""
-    code, lut, thr = (t.to(x.device) for t in quant_tables(signed))
+    """Codes (uint8) of values already divided by their block absmax (any device)."""
+    _, thr = _device_tables(signed, x.device)
     x = x.contiguous().float()
-    prefix = (x.view(torch.int32) >> 16) & 0xFFFF
-    c = lut[prefix.long()].long()
-    c = c + (x > thr[c]).long()
+    # searchsorted(left) = count of thresholds < x; NaN -> 0 like the kernel (every comparison is false).
+    c = torch.searchsorted(thr[:255], torch.nan_to_num(x, nan=-2.0))
     return c.to(torch.uint8)
 
 
@@ -117,7 +109,7 @@ def dequantize_blockwise(
     codes: torch.Tensor, absmax: torch.Tensor, signed: bool = True, block_size: int = 4096
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_blockwise`: fp32 tensor shaped like ``codes``."""
-    code = dynamic_map(signed).to(codes.device)
+    code, _ = _device_tables(signed, codes.device)
     n = codes.numel()
     vals = code[codes.reshape(-1).long()]
     pad = (-n) % block_size

@@ -75,8 +75,8 @@ def reference_step(
     eight_bit = "exp_avg_codes" in state
     if eight_bit:
         cm, cv = dynamic_map(True).to(param.device), dynamic_map(False).to(param.device)
-        m = (_blocks(cm[state["exp_avg_codes"].reshape(-1).long()], block) * state["exp_avg_absmax"][:, None])
-        v = (_blocks(cv[state["exp_avg_sq_codes"].reshape(-1).long()], block) * state["exp_avg_sq_absmax"][:, None])
+        m = _blocks(cm[state["exp_avg_codes"].reshape(-1).long()], block) * state["exp_avg_absmax"][:, None]
+        v = _blocks(cv[state["exp_avg_sq_codes"].reshape(-1).long()], block) * state["exp_avg_sq_absmax"][:, None]
         m, v = m.reshape(-1)[:n], v.reshape(-1)[:n]
     else:
         m, v = state["exp_avg"].reshape(-1), state["exp_avg_sq"].reshape(-1)
