@@ -101,7 +101,8 @@ static inline __m512 lev_lookup(const float *t, int j, __m512i k) {
 
 static inline __m128i encode16(int w, __m512 x) {
     __m512i c = _mm512_setzero_si512();
-    for (int j = 0; j < 8; j++) {
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) { /* unrolled: j is a constant, so lev_lookup's branches fold away */
         const __m512i k = _mm512_srli_epi32(c, 8 - j);
         const __m512 t = j == 0 ? _mm512_set1_ps(g_lev[w][0][0]) : lev_lookup(g_lev[w][j], j, k);
         const __mmask16 up = _mm512_cmp_ps_mask(x, t, _CMP_GT_OQ);
