@@ -1,0 +1,284 @@
+"""HybridAdamW: AdamW with fp32 moments for some tensors and blockwise 8-bit moments for the rest.
+
+Which tensors get 8-bit moments (decided once, at construction, over all groups):
+  * tensors with fewer than ``min_8bit_numel`` elements always keep fp32 moments (norms, biases: tiny, sensitive);
+  * ``eight_bit_fraction >= 1``: every other tensor is 8-bit;
+  * otherwise tensors are visited largest first (ties: construction order) and one goes 8-bit when the 8-bit
+    element count stays <= ``eight_bit_fraction`` x (all elements); smaller tensors may fill what larger ones
+    could not, so the realised fraction is as close to the target as tensor granularity allows, never above it.
+Saved states carry their own layout: a checkpoint restores exactly what it holds, whatever the rule says.
+
+CPU tensors go through the fused C kernel (``kernel.py``); other devices, and ``use_kernel=False``, through the
+torch reference (``reference.py``). Masters may be fp32 or bf16 (bf16: the update is computed in fp32 and written
+back with deterministic stochastic rounding); gradients may be fp32 or bf16.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch.optim import Optimizer
+
+from . import kernel as _kernel
+from .reference import mix32, reference_step
+
+__all__ = ["HybridAdamW"]
+
+_FP32_CHUNK = 4096  # elements per kernel work item for fp32-state tensors (fits L1/L2 with its scratch)
+_STATE_TENSORS = ("exp_avg", "exp_avg_sq", "exp_avg_codes", "exp_avg_sq_codes", "exp_avg_absmax", "exp_avg_sq_absmax")
+
+
+class HybridAdamW(Optimizer):
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        eight_bit_fraction: float = 0.0,
+        block_size: int = 4096,
+        min_8bit_numel: int = 4096,
+        *,
+        seed: int = 0,
+        use_kernel: bool | None = None,
+        num_threads: int | None = None,
+    ) -> None:
+        if lr < 0 or eps < 0 or weight_decay < 0:
+            raise ValueError(f"invalid lr/eps/weight_decay: {lr}, {eps}, {weight_decay}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"invalid betas: {betas}")
+        if not 0.0 <= eight_bit_fraction <= 1.0:
+            raise ValueError(f"eight_bit_fraction must be in [0, 1], got {eight_bit_fraction}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.eight_bit_fraction = eight_bit_fraction
+        self.block_size = block_size
+        self.min_8bit_numel = min_8bit_numel
+        self.seed = seed
+        self.num_threads = num_threads
+        self._stream_copies: dict[torch.Tensor, torch.Tensor] = {}
+        self._init_lock = threading.Lock()
+        all_params = [p for g in self.param_groups for p in g["params"]]
+        for p in all_params:
+            if p.dtype not in (torch.float32, torch.bfloat16):
+                raise TypeError(f"HybridAdamW supports fp32 and bf16 parameters, got {p.dtype}")
+        self._group_of = {p: g for g in self.param_groups for p in g["params"]}
+        chosen = self._choose_8bit(all_params)
+        for i, p in enumerate(all_params):
+            self._init_state(p, i, eight_bit=i in chosen)
+        wants_kernel = any(p.device.type == "cpu" for p in all_params)
+        self._use_kernel = False
+        if use_kernel or (use_kernel is None and wants_kernel):
+            try:
+                _kernel.load_kernel()  # build now, at construction, never in the middle of a step
+                self._use_kernel = True
+            except _kernel.KernelUnavailable as e:
+                if use_kernel:
+                    raise
+                print(f"[lightning_lazytrain] HybridAdamW falls back to the slow torch path: {e}", file=sys.stderr)
+
+    # ----------------------------------------------------------------- layout
+    def _choose_8bit(self, params: list[torch.Tensor]) -> set[int]:
+        eligible = [i for i, p in enumerate(params) if p.numel() >= self.min_8bit_numel]
+        if self.eight_bit_fraction >= 1.0:
+            return set(eligible)
+        budget = self.eight_bit_fraction * sum(p.numel() for p in params)
+        chosen, used = set(), 0
+        for i in sorted(eligible, key=lambda i: (-params[i].numel(), i)):
+            if used + params[i].numel() <= budget:
+                chosen.add(i)
+                used += params[i].numel()
+        return chosen
+
+    def _init_state(self, p: torch.Tensor, index: int, eight_bit: bool) -> None:
+        st = self.state[p]
+        st["step"] = 0
+        # Per-tensor stochastic-rounding key: fixed by (seed, position), saved, so a resume rounds identically.
+        st["sr_key"] = int(mix32((self.seed * 0x9E3779B1 + index * 0x85EBCA77 + 1) & 0xFFFFFFFF))
+        if eight_bit:
+            nblk = -(-p.numel() // self.block_size)
+            st["block_size"] = self.block_size
+            st["exp_avg_codes"] = torch.full(p.shape, 127, dtype=torch.uint8, device=p.device)  # code 127 == 0.0
+            st["exp_avg_sq_codes"] = torch.zeros(p.shape, dtype=torch.uint8, device=p.device)  # code 0 == 0.0
+            st["exp_avg_absmax"] = torch.zeros(nblk, dtype=torch.float32, device=p.device)
+            st["exp_avg_sq_absmax"] = torch.zeros(nblk, dtype=torch.float32, device=p.device)
+        else:
+            st["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            st["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        if not hasattr(self, "_group_of"):  # called from Optimizer.__init__; layout is set up after
+            return
+        group = self.param_groups[-1]
+        base = sum(len(g["params"]) for g in self.param_groups[:-1])
+        chosen = self._choose_8bit(group["params"])
+        for j, p in enumerate(group["params"]):
+            self._group_of[p] = group
+            self._init_state(p, base + j, eight_bit=j in chosen)
+
+    def is_8bit(self, p: torch.Tensor) -> bool:
+        return "exp_avg_codes" in self.state[p]
+
+    def state_bytes(self) -> int:
+        """Bytes held by the moment tensors (what 8-bit states shrink), excluding parameters and grads."""
+        return sum(
+            st[k].numel() * st[k].element_size() for st in self.state.values() for k in _STATE_TENSORS if k in st
+        )
+
+    def register_stream_copy(self, param: torch.Tensor, copy: torch.Tensor | None) -> None:
+        """Have every update of ``param`` also write ``copy`` (bf16, same shape; the tensor the engine streams).
+
+        ``None`` unregisters. The copy is not part of the state dict (it is derived from the parameter).
+        """
+        if copy is None:
+            self._stream_copies.pop(param, None)
+            return
+        if param not in self._group_of:
+            raise KeyError("register_stream_copy: parameter is not managed by this optimizer")
+        if copy.dtype != torch.bfloat16 or copy.shape != param.shape or copy.device != param.device:
+            raise ValueError(
+                f"stream copy must be bf16 {tuple(param.shape)} on {param.device}, got {copy.dtype} "
+                f"{tuple(copy.shape)} on {copy.device}"
+            )
+        if not copy.is_contiguous():
+            raise ValueError("stream copy must be contiguous")
+        self._stream_copies[param] = copy
+
+    # ----------------------------------------------------------------- update
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Update every parameter that has a ``.grad``."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.step_params([p for g in self.param_groups for p in g["params"] if p.grad is not None])
+        return loss
+
+    @torch.no_grad()
+    def step_params(
+        self,
+        params: Sequence[torch.Tensor],
+        clip_coef: float = 1.0,
+        grads: Sequence[torch.Tensor | None] | None = None,
+    ) -> None:
+        """Update only ``params``: gradient = ``grads[i]`` (or ``p.grad``) x ``clip_coef``, fused into the pass.
+
+        Safe to call from a worker thread (the kernel runs without the GIL) and concurrently for disjoint
+        parameter lists. Gradients may be bf16 for fp32 parameters. Parameters without a gradient are skipped.
+        """
+        if grads is not None and len(grads) != len(params):
+            raise ValueError(f"step_params: {len(params)} params but {len(grads)} grads")
+        clip_coef = float(clip_coef)
+        for i, p in enumerate(params):
+            g = p.grad if grads is None else grads[i]
+            if g is None:
+                continue
+            self._update_one(p, g, clip_coef)
+
+    def _update_one(self, p: torch.Tensor, g: torch.Tensor, clip_coef: float) -> None:
+        group = self._group_of.get(p)
+        if group is None:
+            raise KeyError("step_params: parameter is not managed by this optimizer")
+        if g.shape != p.shape:
+            raise ValueError(f"gradient shape {tuple(g.shape)} != parameter shape {tuple(p.shape)}")
+        if g.dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"gradients must be fp32 or bf16, got {g.dtype}")
+        st = self.state[p]
+        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        st["step"] += 1
+        step = st["step"]
+        # Scalars exactly as torch.optim.AdamW computes them (Python doubles, rounded to fp32 by the kernel).
+        bias_correction1 = 1 - beta1**step
+        bias_correction2 = 1 - beta2**step
+        neg_step = -(lr / bias_correction1)
+        bc2_sqrt = bias_correction2**0.5
+        decay = 1 - lr * wd
+        sr_key = int(mix32(st["sr_key"] ^ int(mix32(step & 0xFFFFFFFF))))
+        copy = self._stream_copies.get(p)
+        eight = "exp_avg_codes" in st
+        block = st["block_size"] if eight else _FP32_CHUNK
+        if self._use_kernel and p.device.type == "cpu" and p.is_contiguous():
+            if g.device.type != "cpu":
+                raise ValueError("a CPU parameter needs a CPU gradient")
+            _kernel.run_step(
+                param=p,
+                grad=g.contiguous(),
+                m=st.get("exp_avg"),
+                v=st.get("exp_avg_sq"),
+                mq=st.get("exp_avg_codes"),
+                vq=st.get("exp_avg_sq_codes"),
+                mabs=st.get("exp_avg_absmax"),
+                vabs=st.get("exp_avg_sq_absmax"),
+                copy=copy,
+                block=block,
+                decay=decay,
+                beta1=beta1,
+                beta2=beta2,
+                neg_step=neg_step,
+                bc2_sqrt=bc2_sqrt,
+                eps=eps,
+                grad_scale=clip_coef,
+                sr_key=sr_key,
+                nthreads=self.num_threads or torch.get_num_threads(),
+            )
+        else:
+            reference_step(
+                param=p,
+                grad=g.to(p.device),
+                state=st,
+                copy=copy,
+                block=block,
+                decay=decay,
+                beta1=beta1,
+                beta2=beta2,
+                neg_step=neg_step,
+                bc2_sqrt=bc2_sqrt,
+                eps=eps,
+                grad_scale=clip_coef,
+                sr_key=sr_key,
+            )
+
+    # ----------------------------------------------------------------- checkpoint
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Exact restore: states keep their saved dtypes (torch's default would cast fp32/absmax to bf16 params)."""
+        groups = self.param_groups
+        saved_groups = state_dict["param_groups"]
+        if len(groups) != len(saved_groups) or any(
+            len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups, strict=True)
+        ):
+            raise ValueError("loaded state dict does not match this optimizer's parameter groups")
+        id_map = {}
+        for g, s in zip(groups, saved_groups, strict=True):
+            id_map.update(zip(s["params"], g["params"], strict=True))
+        for g, s in zip(groups, saved_groups, strict=True):
+            g.update({k: v for k, v in s.items() if k != "params"})
+        new_state = {}
+        for old_id, saved in state_dict["state"].items():
+            p = id_map[old_id]
+            restored = {}
+            for k, v in saved.items():
+                if isinstance(v, torch.Tensor):
+                    restored[k] = v.detach().to(device=p.device, copy=True)  # keep dtype; never alias the dict
+                else:
+                    restored[k] = v
+            new_state[p] = restored
+        for p in id_map.values():
+            self.state[p] = new_state.get(p, self.state[p])
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._group_of = {p: g for g in self.param_groups for p in g["params"]}
+        self._init_lock = threading.Lock()
+
+
+def bias_corrections(beta1: float, beta2: float, step: int) -> tuple[float, float]:
+    """(1 - beta1^t, sqrt(1 - beta2^t)), for callers that want to predict the update (e.g. on the GPU)."""
+    return 1 - beta1**step, math.sqrt(1 - beta2**step)
