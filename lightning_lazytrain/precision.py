@@ -43,6 +43,8 @@ class LazyTrainPrecision(Precision):
         self.precision = normalize_precision(precision)
         self.after_closure_hook: Callable[[], None] | None = None
         self.device_type = "cpu"
+        self.direct_step: Callable[[float | None], object] | None = None
+        self._clip_val: float | None = None
 
     @property
     def master_dtype(self) -> torch.dtype:
@@ -77,6 +79,29 @@ class LazyTrainPrecision(Precision):
                 torch.set_default_dtype(default)
         else:
             yield
+
+    def optimizer_step(self, optimizer, model, closure, **kwargs):
+        if self.direct_step is None:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        # The engine owns the update: run forward/backward, hooks and clipping, then queue per-unit updates.
+        self._clip_val = None
+        result = self._wrap_closure(model, optimizer, closure)
+        self.direct_step(self._clip_val)
+        return result
+
+    def clip_grad_by_norm(self, optimizer, clip_val) -> None:
+        if self.direct_step is None:
+            return super().clip_grad_by_norm(optimizer, clip_val)
+        # Gradients are not on the host as .grad; the norm comes from the device, the coefficient goes into the update.
+        self._clip_val = float(clip_val)
+
+    def clip_grad_by_value(self, optimizer, clip_val) -> None:
+        if self.direct_step is not None:
+            raise ValueError(
+                "gradient_clip_algorithm='value' is not supported when lazytrain runs the update itself;"
+                " use 'norm', or LazyTrainStrategy(overlap_updates=False)."
+            )
+        return super().clip_grad_by_value(optimizer, clip_val)
 
     def _wrap_closure(self, model, optimizer, closure):
         # Gradients land on the host asynchronously; they must be complete before hooks and clipping read them.

@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 
 from lightning_lazytrain.engine import StackPlan, StreamingExecutor
 from lightning_lazytrain.models import adapter_for
+from lightning_lazytrain.optim import NonFiniteGuard
 from lightning_lazytrain.precision import LazyTrainPrecision
 
 
@@ -40,6 +41,9 @@ class LazyTrainStrategy(Strategy):
         num_slots: device weight slots; default: what the plan needs plus ``prefetch_depth``.
         prefetch_depth: how many layers ahead weights are copied while the current one computes.
         pin_memory: pin the streamed host buffers (CUDA only; ``None`` = when on CUDA).
+        overlap_updates: with an optimizer that can update a subset of parameters (``HybridAdamW``), automatic
+            optimization and no gradient accumulation, the engine runs the update per layer on a worker thread from
+            bf16 host gradients, hidden behind the next forward. ``.grad`` is then not filled on the host.
         timeout_s: longest wait for any transfer before an error names it.
     """
 
@@ -53,6 +57,7 @@ class LazyTrainStrategy(Strategy):
         num_slots: int | None = None,
         prefetch_depth: int = 2,
         pin_memory: bool | None = None,
+        overlap_updates: bool = True,
         timeout_s: float = 600.0,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
@@ -66,6 +71,9 @@ class LazyTrainStrategy(Strategy):
         self.prefetch_depth = prefetch_depth
         self.pin_memory = pin_memory
         self.timeout_s = timeout_s
+        self.overlap_updates = overlap_updates
+        self.nonfinite_guard = NonFiniteGuard()
+        self.skipped_steps = 0
         self.parallel_devices: list[torch.device] | None = None
         self.executor: StreamingExecutor | None = None
         self.last_step_stats: dict[str, float] = {}
@@ -152,7 +160,36 @@ class LazyTrainStrategy(Strategy):
             )
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            self._maybe_direct_updates(trainer)
         self.setup_precision_plugin()
+
+    def _maybe_direct_updates(self, trainer: pl.Trainer) -> None:
+        precision = self.precision_plugin
+        precision.direct_step = None
+        if self.executor is None or self.executor.updates is not None:
+            return
+        if not (self.overlap_updates and len(self.optimizers) == 1 and hasattr(self.optimizers[0], "step_params")):
+            return
+        if not self.lightning_module.automatic_optimization or trainer.accumulate_grad_batches != 1:
+            return
+        self.executor.enable_direct_updates(self.optimizers[0])
+        trainer_ref = trainer
+
+        def direct_step(clip_val: float | None) -> None:
+            if not self.executor.direct_step(clip_val, self.nonfinite_guard, trainer_ref.global_step):
+                self.skipped_steps += 1
+
+        precision.direct_step = direct_step
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.executor is not None:
+            self.executor.wait_updates()
+        return super().lightning_module_state_dict()
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if self.executor is not None:
+            self.executor.wait_updates()
+        return super().optimizer_state(optimizer)
 
     def model_to_device(self) -> None:
         """Parameters stay on the host; the executor moves what a step needs."""
@@ -172,7 +209,7 @@ class LazyTrainStrategy(Strategy):
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.executor is not None:
             self.executor.after_optimizer_step()
-            self.last_step_stats = self.executor.take_stats()
+            self.last_step_stats = {**self.executor.take_stats(), "skipped_steps": float(self.skipped_steps)}
         return result
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -197,6 +234,7 @@ class LazyTrainStrategy(Strategy):
         return tensor
 
     def teardown(self) -> None:
+        self.precision_plugin.direct_step = None
         if self.executor is not None:
             self.executor.close()
             self.executor = None

@@ -17,13 +17,16 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from lightning_lazytrain.engine.binding import bound, leaves_of
 from lightning_lazytrain.engine.device import DeviceQueues
+from lightning_lazytrain.engine.direct_grads import DirectGradSink
 from lightning_lazytrain.engine.grads import GradSink
 from lightning_lazytrain.engine.loss import chunked_causal_lm_loss
 from lightning_lazytrain.engine.plan import StackPlan
 from lightning_lazytrain.engine.slots import SlotPool
 from lightning_lazytrain.engine.stack import LayerCall, StackRun, StreamedStack, make_prefetcher
 from lightning_lazytrain.engine.store import HostParamStore
+from lightning_lazytrain.engine.updates import UpdateQueue
 from lightning_lazytrain.models import ModelAdapter
+from lightning_lazytrain.optim import NonFiniteGuard, clip_coefficient
 
 
 class DeviceTooSmallError(RuntimeError):
@@ -62,7 +65,11 @@ class StreamingExecutor:
             raise ValueError(f"this plan needs at least {plan.slots_needed(1)} weight slots, got num_slots={slots}")
         self._check_device_fits(slots, slot_numel, stream_dtype)
         self.pool = SlotPool(self.queues, slots, slot_numel, stream_dtype)
-        self.sink = GradSink(self.store, self.queues, slot_numel, stream_dtype, timeout_s=timeout_s)
+        self.sink: GradSink | DirectGradSink = GradSink(
+            self.store, self.queues, slot_numel, stream_dtype, timeout_s=timeout_s
+        )
+        self.updates: UpdateQueue | None = None
+        self.timeout_s = timeout_s
         self._resident_buf = torch.empty(self.resident_unit.numel, dtype=stream_dtype, device=device)
         self._resident_leaves: list[torch.Tensor] | None = None
         self._resident_generation = -1
@@ -113,6 +120,8 @@ class StreamingExecutor:
             if not had_own:
                 del module.forward
         self._patched.clear()
+        if self.updates is not None:
+            self.updates.close()
         for module, name, buf in self._saved_buffers:
             module._buffers[name] = buf
         self._saved_buffers.clear()
@@ -157,7 +166,37 @@ class StreamingExecutor:
         self.sink.flush()
 
     def after_optimizer_step(self) -> None:
-        self.store.mark_dirty()
+        if self.updates is None:
+            self.store.mark_dirty()
+
+    def enable_direct_updates(self, optimizer: torch.optim.Optimizer) -> None:
+        """Let the engine run ``optimizer.step_params`` per unit from bf16 host gradients, off the main thread."""
+        self.sink.close()
+        self.sink = DirectGradSink(self.store, self.queues, self.store.stream_dtype)
+        managed = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if self.store.master_dtype != self.store.stream_dtype:
+            for unit in self.store.units:
+                for e in unit.unique:
+                    if id(e.param) in managed:
+                        copy = unit.stream[e.offset : e.offset + e.numel].view(e.shape)
+                        optimizer.register_stream_copy(e.param, copy)
+        self.updates = UpdateQueue(optimizer, self.store.units, self.timeout_s)
+
+    def direct_step(self, clip_val: float | None, guard: NonFiniteGuard, step: int) -> bool:
+        """Queue this step's updates (clipped by the device-side norm); False when a non-finite norm skips it."""
+        assert self.updates is not None and isinstance(self.sink, DirectGradSink)
+        norm_sq = self.sink.take_norm_sq()
+        if not guard.check(norm_sq, step):
+            for unit in self.store.units:
+                unit.has_grads = False
+            return False
+        coef = clip_coefficient(norm_sq, clip_val) if clip_val else 1.0
+        self.updates.schedule(coef)
+        return True
+
+    def wait_updates(self) -> None:
+        if self.updates is not None:
+            self.updates.wait_all()
 
     def take_stats(self) -> dict[str, float]:
         """Transfer counters since the previous call (one optimizer step when called once per step)."""

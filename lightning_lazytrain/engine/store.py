@@ -9,6 +9,7 @@ has the compute dtype the master itself is pinned and streamed.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -43,9 +44,21 @@ class ParamUnit:
     overwrite: bool = False
     touched: bool = False
     unique: list[ParamEntry] = field(default_factory=list)
+    grad_lowp: torch.Tensor | None = None
+    grads_ready: object = None
+    grad_refs: list | None = None
+    has_grads: bool = False
+    pending_update: Future | None = None
+
+    def await_update(self, timeout_s: float = 600.0) -> None:
+        """Block until an optimizer update of this unit that runs on a worker thread has finished."""
+        future, self.pending_update = self.pending_update, None
+        if future is not None:
+            future.result(timeout=timeout_s)
 
     def refresh_stream(self) -> None:
         """Bring the streamed copy up to date with the masters (a cast, or nothing when they are one buffer)."""
+        self.await_update()
         if self.dirty:
             if self.stream.data_ptr() != self.master.data_ptr():
                 self.stream.copy_(self.master)

@@ -168,8 +168,12 @@ class HybridAdamW(Optimizer):
         params: Sequence[torch.Tensor],
         clip_coef: float = 1.0,
         grads: Sequence[torch.Tensor | None] | None = None,
+        lr_of: dict[int, float] | None = None,
     ) -> None:
         """Update only ``params``: gradient = ``grads[i]`` (or ``p.grad``) x ``clip_coef``, fused into the pass.
+
+        ``lr_of`` maps ``id(param_group)`` to the learning rate to use, for updates that run after a scheduler may
+        already have moved the group's ``lr`` on (the engine snapshots it when it schedules the update).
 
         Safe to call from a worker thread (the kernel runs without the GIL) and concurrently for disjoint
         parameter lists. Gradients may be bf16 for fp32 parameters. Parameters without a gradient are skipped.
@@ -181,9 +185,9 @@ class HybridAdamW(Optimizer):
             g = p.grad if grads is None else grads[i]
             if g is None:
                 continue
-            self._update_one(p, g, clip_coef)
+            self._update_one(p, g, clip_coef, lr_of)
 
-    def _update_one(self, p: torch.Tensor, g: torch.Tensor, clip_coef: float) -> None:
+    def _update_one(self, p: torch.Tensor, g: torch.Tensor, clip_coef: float, lr_of: dict[int, float] | None) -> None:
         group = self._group_of.get(p)
         if group is None:
             raise KeyError("step_params: parameter is not managed by this optimizer")
@@ -193,6 +197,8 @@ class HybridAdamW(Optimizer):
             raise TypeError(f"gradients must be fp32 or bf16, got {g.dtype}")
         st = self.state[p]
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        if lr_of is not None:
+            lr = lr_of.get(id(group), lr)
         st["step"] += 1
         step = st["step"]
         # Scalars exactly as torch.optim.AdamW computes them (Python doubles, rounded to fp32 by the kernel).

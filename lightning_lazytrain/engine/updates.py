@@ -1,0 +1,55 @@
+"""The optimizer update, one unit at a time on a worker thread, ordered for the next forward.
+
+Units are queued in the order the next forward needs them (embedding/head first, then layer 0, 1, ...), so the
+forward of layer ``i`` only waits for update ``i`` while later updates still run: the CPU update hides behind the
+GPU's next forward. Each job first waits for its unit's gradient copy, then runs the fused update, which also writes
+the bf16 streamed copy; bumping the unit's generation tells the weight slots their copy is stale.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from lightning_lazytrain.engine.device import host_wait
+from lightning_lazytrain.engine.store import ParamUnit
+
+
+class UpdateQueue:
+    def __init__(self, optimizer: torch.optim.Optimizer, units: list[ParamUnit], timeout_s: float) -> None:
+        self.optimizer = optimizer
+        self.units = units
+        self.timeout_s = timeout_s
+        managed = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        self._params = {
+            u.index: [(i, e.param) for i, e in enumerate(u.unique) if id(e.param) in managed] for u in units
+        }
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-update")
+
+    def schedule(self, clip_coef: float) -> None:
+        lr_of = {id(group): group["lr"] for group in self.optimizer.param_groups}
+        for unit in self.units:
+            if not unit.has_grads:
+                continue
+            unit.has_grads = False
+            unit.await_update()
+            unit.pending_update = self._pool.submit(self._run, unit, clip_coef, lr_of)
+
+    def _run(self, unit: ParamUnit, clip_coef: float, lr_of: dict[int, float]) -> None:
+        host_wait(unit.grads_ready, f"the gradient copy of {unit.label}", self.timeout_s)
+        unit.grad_refs = None
+        chosen = [(i, p) for i, p in self._params[unit.index] if p.requires_grad]
+        grads = [unit.grad_lowp[unit.unique[i].offset : unit.unique[i].offset + p.numel()].view(p.shape)
+                 for i, p in chosen]
+        self.optimizer.step_params([p for _, p in chosen], clip_coef, grads, lr_of)
+        unit.generation += 1
+        unit.dirty = False
+
+    def wait_all(self) -> None:
+        for unit in self.units:
+            unit.await_update(self.timeout_s)
+
+    def close(self) -> None:
+        self.wait_all()
+        self._pool.shutdown(wait=True)
