@@ -53,19 +53,43 @@ class RandomTokens(torch.utils.data.Dataset):
         return {"input_ids": self.items[i], "labels": self.items[i]}
 
 
+class NullUpdate(torch.optim.Optimizer):
+    """An optimizer the engine can drive that updates nothing: isolates forward + backward + gradient D2H."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, {"lr": 0.0})
+
+    def step(self, closure=None):
+        return closure() if closure is not None else None
+
+    def step_params(self, params, clip_coef=1.0, grads=None, lr_of=None) -> None:
+        pass
+
+    def register_stream_copy(self, param, copy) -> None:
+        pass
+
+
 class BenchModule(pl.LightningModule):
-    def __init__(self, model, fused_cpu_adam: bool = True) -> None:
+    """optimizer: 'adamw' (torch, fused), 'hybrid0' / 'hybrid1' (HybridAdamW, 8-bit fraction 0 / 1), 'null'."""
+
+    def __init__(self, model, optimizer: str = "adamw") -> None:
         super().__init__()
         self.model = model
-        self.fused_cpu_adam = fused_cpu_adam
+        self.optimizer_name = optimizer
 
     def training_step(self, batch, batch_idx):
         return self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
 
     def configure_optimizers(self):
+        kw = dict(lr=1e-5, weight_decay=0.01)
+        if self.optimizer_name == "null":
+            return NullUpdate(self.parameters())
+        if self.optimizer_name.startswith("hybrid"):
+            from lightning_lazytrain.optim import HybridAdamW
+
+            return HybridAdamW(self.parameters(), eight_bit_fraction=float(self.optimizer_name[6:]), **kw)
         on_cpu = next(self.model.parameters()).device.type == "cpu"
-        return torch.optim.AdamW(self.parameters(), lr=1e-5, weight_decay=0.01, fused=True if on_cpu else None,
-                                 foreach=None)
+        return torch.optim.AdamW(self.parameters(), fused=True if on_cpu else None, **kw)
 
 
 class StepTimer(pl.Callback):
@@ -110,6 +134,7 @@ class StepTimer(pl.Callback):
 
 
 def run_fit(module, strategy, precision: str, data, timer: StepTimer, **kw) -> None:
+    """One Lightning fit with the timer; ``kw`` goes to the Trainer (e.g. gradient_clip_val)."""
     trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=strategy, precision=precision,
                          max_steps=len(data), logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[timer], num_sanity_val_steps=0, **kw)

@@ -29,12 +29,12 @@ import lightning_lazytrain  # noqa: F401
 from lightning_lazytrain import LazyTrainStrategy
 
 
-def measure(name, module, strategy, precision, data, warmup, tokens, flops_per_token):
+def measure(name, module, strategy, precision, data, warmup, tokens, flops_per_token, **trainer_kw):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     timer = StepTimer()
     try:
-        run_fit(module, strategy, precision, data, timer)
+        run_fit(module, strategy, precision, data, timer, **trainer_kw)
     except Exception as exc:  # a variant that fails records why and the suite goes on
         traceback.print_exc()
         return {"variant": name, "status": f"{type(exc).__name__}: {exc}"[:400]}
@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--graph-layers", type=int, nargs="*", default=[0, 12])
+    parser.add_argument("--only", nargs="*", default=None, help="run only these lazytrain variants")
     args = parser.parse_args()
 
     cfg = qwen_config(args.shape)
@@ -73,19 +73,29 @@ def main() -> None:
     model = model.to("cpu", torch.float32)
     gc.collect()
     torch.cuda.empty_cache()
-    for k in args.graph_layers:
-        strategy = LazyTrainStrategy(schedule="interval:1", keep_graph_layers=k)
-        rows.append(measure(f"lazytrain-graph{k}", BenchModule(model), strategy, "bf16-mixed", data, args.warmup,
-                            tokens, fpt))
-    strategy = LazyTrainStrategy(schedule="interval:4")
-    rows.append(measure("lazytrain-interval4", BenchModule(model), strategy, "bf16-mixed", data, args.warmup,
-                        tokens, fpt))
+    variants = [  # name, optimizer, strategy kwargs, gradient_clip_val
+        ("lazytrain-null", "null", {}, None),
+        ("lazytrain-null-graph12", "null", {"keep_graph_layers": 12}, None),
+        ("lazytrain-adamw", "adamw", {}, None),
+        ("lazytrain-hybrid0-clip", "hybrid0", {}, 1.0),
+        ("lazytrain-hybrid0-clip-graph12", "hybrid0", {"keep_graph_layers": 12}, 1.0),
+        ("lazytrain-hybrid1-clip", "hybrid1", {}, 1.0),
+        ("lazytrain-interval4-adamw", "adamw", {"schedule": "interval:4", "overlap_updates": False}, 1.0),
+    ]
+    for name, opt, skw, clip in variants:
+        if args.only and name not in args.only:
+            continue
+        rows.append(measure(name, BenchModule(model, opt), LazyTrainStrategy(**skw), "bf16-mixed", data,
+                            args.warmup, tokens, fpt, gradient_clip_val=clip))
+        model.zero_grad(set_to_none=True)
+        gc.collect()
     ok = {r["variant"]: r for r in rows if r["status"] == "ok"}
     checks = {}
     if "resident" in ok:
         for name, r in ok.items():
             if name.startswith("lazytrain"):
                 checks[name] = {
+                    "step_vs_resident": r["step_s"] / ok["resident"]["step_s"],
                     "fwd_bwd_vs_resident": r["fwd_bwd_s"] / ok["resident"]["fwd_bwd_s"],
                     "fwd_bwd_vs_resident_ckpt": r["fwd_bwd_s"] / ok["resident-ckpt"]["fwd_bwd_s"]
                     if "resident-ckpt" in ok else None,
