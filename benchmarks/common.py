@@ -12,6 +12,7 @@ import sys
 import time
 
 import lightning.pytorch as pl
+import psutil
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -99,6 +100,7 @@ class StepTimer(pl.Callback):
         self.marks: list[tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event]] = []
         self._open: list[torch.cuda.Event] = []
         self.stats: list[dict] = []
+        self.rss_max = 0
 
     def _event(self) -> torch.cuda.Event:
         event = torch.cuda.Event(enable_timing=True)
@@ -115,6 +117,7 @@ class StepTimer(pl.Callback):
         self._open.append(self._event())
         self.marks.append(tuple(self._open))
         self.stats.append(dict(getattr(trainer.strategy, "last_step_stats", {}) or {}))
+        self.rss_max = max(self.rss_max, psutil.Process().memory_info().rss)
 
     def summary(self, warmup: int) -> dict:
         torch.cuda.synchronize()
@@ -130,6 +133,7 @@ class StepTimer(pl.Callback):
             "optimizer_s": statistics.median(opt),
             "steps_timed": len(rows),
             "engine": self.stats[-1] if self.stats else {},
+            "host_rss_max_gib": self.rss_max / 2**30,
         }
 
 

@@ -66,7 +66,7 @@ def main() -> None:
     for r in rows:
         if r["status"] == "ok":
             print(f"{r['variant']:48} {r['step_s']:7.2f} {r['fwd_bwd_s']:8.2f} {r['gpu_peak_gib']:8.1f} "
-                  f"{r['host_peak_gib']:8.1f} {r['model_tflops']:7.1f}")
+                  f"{r['host_rss_max_gib']:8.1f} {r['model_tflops']:7.1f}")
         else:
             print(f"{r['variant']:48} {r['status']}")
 
