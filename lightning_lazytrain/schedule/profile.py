@@ -29,8 +29,7 @@ ANALYTIC_FLOPS = 1e11  # FLOP/s assumed for analytic compute estimates (no CUDA 
 # REFERENCE.md, H200 benchmark machine: pinned PCIe per direction / both at once (total), disk write / read.
 H200_H2D, H200_D2H, H200_DUPLEX = 55.5e9, 55.3e9, 101e9
 DISK_WRITE, DISK_READ = 0.51e9, 1.28e9
-LINK_PROBE_BYTES = 256 << 20
-NVME_PROBE_BYTES_GPU, NVME_PROBE_BYTES_CPU = 256 << 20, 16 << 20
+LINK_PROBE_BYTES, NVME_PROBE_BYTES_GPU, NVME_PROBE_BYTES_CPU = 256 << 20, 256 << 20, 16 << 20
 SOURCE_KEYS = ("forward_seconds", "head_seconds", "h2d", "d2h", "duplex", "nvme_read", "nvme_write")
 
 
@@ -92,24 +91,18 @@ class Profile:
 
     @classmethod
     def from_dict(cls, d: dict) -> Profile:
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"profile has unknown keys {sorted(unknown)}")
+        if not isinstance(d, dict):
+            raise ValueError("a profile must be a JSON object")
+        d = dict(d)
+        if d.pop("version", PROFILE_VERSION) != PROFILE_VERSION or set(d) - {f.name for f in fields(cls)}:
+            raise ValueError(f"not a version-{PROFILE_VERSION} profile: keys {sorted(d)}")
         return cls(**d)
 
     @classmethod
     def from_json(cls, text: str) -> Profile:
-        d = json.loads(text)
-        if not isinstance(d, dict):
-            raise ValueError("profile JSON must be an object")
-        version = d.pop("version", PROFILE_VERSION)
-        if version != PROFILE_VERSION:
-            raise ValueError(f"profile JSON version {version} is not supported (expected {PROFILE_VERSION})")
-        return cls.from_dict(d)
+        return cls.from_dict(json.loads(text))
 
 
-# ----------------------------------------------------------------------------------------------------- shape facts
 def _unique_numel(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
 
@@ -133,7 +126,6 @@ def _attention_flops(config, layer_type: str, batch: int, seq: int) -> float:
     return 4.0 * batch * seq * seq * config.num_attention_heads * head_dim * 0.5
 
 
-# -------------------------------------------------------------------------------------------------- CUDA timing
 def _rotary_inputs(rotary: torch.nn.Module, h: torch.Tensor, batch: int, seq: int):
     pos = torch.arange(seq, device=h.device).unsqueeze(0).expand(batch, -1)
     try:
@@ -253,16 +245,13 @@ def measure_disk(spill_dir: str, nbytes: int) -> tuple[float, float]:
         write_s = time.perf_counter() - t0
         os.close(fd)
         fd = -1
-        rfd = os.open(path, os.O_RDONLY)
-        try:
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(rfd, 0, 0, os.POSIX_FADV_DONTNEED)  # read from the disk, not the page cache
-            t0 = time.perf_counter()
-            while os.read(rfd, chunk):
-                pass
-            read_s = time.perf_counter() - t0
-        finally:
-            os.close(rfd)
+        fd = os.open(path, os.O_RDONLY)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # read from the disk, not the page cache
+        t0 = time.perf_counter()
+        while os.read(fd, chunk):
+            pass
+        read_s = time.perf_counter() - t0
     finally:
         if fd >= 0:
             os.close(fd)
@@ -270,7 +259,6 @@ def measure_disk(spill_dir: str, nbytes: int) -> tuple[float, float]:
     return written / max(read_s, 1e-9), written / max(write_s, 1e-9)
 
 
-# ------------------------------------------------------------------------------------------------ measure + cache
 def _measure(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, stream_dtype: torch.dtype,
              spill_dir: str | None) -> Profile:
     """Measure (CUDA) or estimate (otherwise) everything; no caching here."""
@@ -285,7 +273,6 @@ def _measure(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, 
         forward = [per_layer[j] for j in range(n)]
         torch.cuda.empty_cache()
         head = _measure_head(adapter, tokens, device, stream_dtype)
-        torch.cuda.empty_cache()
         h2d, d2h, duplex = _measure_link_cuda(device)
         name = torch.cuda.get_device_name(device)
     else:
@@ -294,12 +281,11 @@ def _measure(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, 
         head = 6.0 * config.vocab_size * config.hidden_size * tokens / ANALYTIC_FLOPS
         h2d, d2h, duplex = H200_H2D, H200_D2H, H200_DUPLEX
         name = f"cpu:{platform.processor() or platform.machine()}"
-    read, write = DISK_READ, DISK_WRITE
+    read, write, src["nvme_read"] = DISK_READ, DISK_WRITE, "analytic"
     if spill_dir is not None:
         read, write = measure_disk(spill_dir, NVME_PROBE_BYTES_GPU if cuda else NVME_PROBE_BYTES_CPU)
-        src["nvme_read"] = src["nvme_write"] = "measured"
-    else:
-        src["nvme_read"] = src["nvme_write"] = "analytic"
+        src["nvme_read"] = "measured"
+    src["nvme_write"] = src["nvme_read"]
     act = batch * seq * config.hidden_size * itemsize
     return Profile(forward_seconds=forward, activation_bytes=[act] * (n + 1), param_bytes=[k * itemsize for k in numel],
                    head_seconds=head, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, duplex_bytes_per_s=duplex,
@@ -334,9 +320,7 @@ def cache_path(key: dict, cache_dir: str | None = None) -> Path:
 def _load_cached(path: Path, key: dict) -> Profile | None:
     try:
         d = json.loads(path.read_text())
-        if d.get("key") != key:
-            return None
-        return Profile.from_json(json.dumps(d["profile"]))
+        return Profile.from_dict(d["profile"]) if d.get("key") == key else None
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None  # missing or corrupt: measure again and overwrite
 
@@ -354,14 +338,12 @@ def profile_model(adapter: ModelAdapter, batch: int, seq: int, device: torch.dev
         device = torch.device("cuda", torch.cuda.current_device())
     key = cache_key(adapter, batch, seq, device, stream_dtype, spill_dir)
     path = cache_path(key, cache_dir)
-    if use_cache:
-        cached = _load_cached(path, key)
-        if cached is not None:
-            return cached
+    if use_cache and (cached := _load_cached(path, key)) is not None:
+        return cached
     prof = _measure(adapter, batch, seq, device, stream_dtype, spill_dir)
     if use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"key": key, "profile": json.loads(prof.to_json())}, indent=2))
+        tmp.write_text(json.dumps({"key": key, "profile": {"version": PROFILE_VERSION, **prof.to_dict()}}, indent=2))
         os.replace(tmp, path)
     return prof
