@@ -152,8 +152,9 @@ def test_build_problem_and_solve(tmp_path):
     ends = prof.activation_bytes[0] + prof.activation_bytes[-1]
     tight = solve(build_problem(prof, ends, 0, 0, max_recompute_span=LAYERS), time_limit=10)
     assert tight.tiers == ["gpu"] + ["recompute"] * (LAYERS - 1) + ["gpu"]
-    assert build_problem(prof, huge, huge, huge, backward_factor=1.0, reforward=False).window_seconds == \
-        pytest.approx([2.0 * f for f in prof.forward_seconds])
+    kept = build_problem(prof, huge, huge, huge, backward_factor=1.0, reforward=False)
+    assert kept.window_seconds == pytest.approx([2.0 * f for f in prof.forward_seconds])
+    assert kept.param_h2d_bytes == prof.param_bytes
 
 
 @pytest.mark.gpu

@@ -12,8 +12,10 @@ without ``keep_graph``), or ``(1 + backward_factor) * rho_w`` with ``reforward=F
 The recompute forwards of ``R(s, e)`` are left out of the windows: the capacity is a lower estimate.
 
 Mandatory traffic per window: ``param_h2d_bytes[w] = 2 * param_bytes[w]`` (the layer's streamed weights copied for
-the forward and again for the backward; a recompute block's no-grad re-forward reuses the backward copy),
-``grad_d2h_bytes[w] = grad_bytes_per_param / stream itemsize * param_bytes[w]`` (default: one bf16 gradient).
+the forward and again for the backward; a recompute block's no-grad re-forward reuses the backward copy, as
+``engine/stack.py`` does; ``reforward=False`` means the layer keeps weights and graph from the forward: one copy),
+``grad_d2h_bytes[w] = param_bytes[w]`` (the gradient goes back in the stream dtype, bf16 under bf16-mixed),
+or ``n_params * grad_bytes_per_param`` when that is given.
 
 Link: forward offloads run beside weight prefetches and backward reloads beside gradient copies, so both
 directions are busy together. With ``duplex=True`` (default) each direction gets
@@ -30,11 +32,11 @@ _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 
 def build_problem(profile: Profile, gpu_budget_bytes: int, cpu_budget_bytes: int, nvme_budget_bytes: int,
                   max_recompute_span: int = 4, backward_factor: float = 2.0, *, reforward: bool = True,
-                  duplex: bool = True, grad_bytes_per_param: int = 2) -> ScheduleProblem:
+                  duplex: bool = True, grad_bytes_per_param: int | None = None) -> ScheduleProblem:
     """The placement problem for ``profile`` under the given activation budgets (bytes per home).
 
     ``window_seconds[w] = (1 + backward_factor + reforward) * forward_seconds[w]``; ``param_h2d_bytes[w] =
-    2 * param_bytes[w]``; ``grad_d2h_bytes[w] = param_bytes[w] * grad_bytes_per_param / itemsize``;
+    (1 + reforward) * param_bytes[w]``; ``grad_d2h_bytes[w] = param_bytes[w]`` (or ``* grad_bytes_per_param / itemsize``);
     ``head_seconds`` as profiled; bandwidths as described in the module docstring.
     """
     if backward_factor < 0:
@@ -48,8 +50,8 @@ def build_problem(profile: Profile, gpu_budget_bytes: int, cpu_budget_bytes: int
         activation_bytes=list(profile.activation_bytes),
         forward_seconds=list(profile.forward_seconds),
         window_seconds=[factor * f for f in profile.forward_seconds],
-        param_h2d_bytes=[2 * b for b in profile.param_bytes],
-        grad_d2h_bytes=[b * grad_bytes_per_param // itemsize for b in profile.param_bytes],
+        param_h2d_bytes=[(2 if reforward else 1) * b for b in profile.param_bytes],
+        grad_d2h_bytes=[b * (grad_bytes_per_param or itemsize) // itemsize for b in profile.param_bytes],
         gpu_budget_bytes=int(gpu_budget_bytes),
         cpu_budget_bytes=int(cpu_budget_bytes),
         nvme_budget_bytes=int(nvme_budget_bytes),

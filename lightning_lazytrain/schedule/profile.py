@@ -130,7 +130,7 @@ def _rotary_inputs(rotary: torch.nn.Module, h: torch.Tensor, batch: int, seq: in
     pos = torch.arange(seq, device=h.device).unsqueeze(0).expand(batch, -1)
     try:
         return pos, rotary(h, pos)
-    except (RuntimeError, ValueError, IndexError):  # multimodal RoPE (Qwen3.5 in transformers 5.17) wants 3 rows
+    except Exception:  # multimodal RoPE (Qwen3.5 in transformers 5.17) wants 3 rows of position ids
         pos3 = pos.unsqueeze(0).expand(3, -1, -1)
         return pos3, rotary(h, pos3)
 
