@@ -36,8 +36,8 @@ def build_problem(profile: Profile, gpu_budget_bytes: int, cpu_budget_bytes: int
     """The placement problem for ``profile`` under the given activation budgets (bytes per home).
 
     ``window_seconds[w] = (1 + backward_factor + reforward) * forward_seconds[w]``; ``param_h2d_bytes[w] =
-    (1 + reforward) * param_bytes[w]``; ``grad_d2h_bytes[w] = param_bytes[w]`` (or ``* grad_bytes_per_param / itemsize``);
-    ``head_seconds`` as profiled; bandwidths as described in the module docstring.
+    (1 + reforward) * param_bytes[w]``; ``grad_d2h_bytes[w] = param_bytes[w]`` (or
+    ``* grad_bytes_per_param / itemsize``); ``head_seconds`` as profiled; bandwidths as described in the module docstring.
     """
     if backward_factor < 0:
         raise ValueError(f"backward_factor must be >= 0, got {backward_factor}")
