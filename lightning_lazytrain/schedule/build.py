@@ -37,7 +37,7 @@ def build_problem(profile: Profile, gpu_budget_bytes: int, cpu_budget_bytes: int
 
     ``window_seconds[w] = (1 + backward_factor + reforward) * forward_seconds[w]``; ``param_h2d_bytes[w] =
     (1 + reforward) * param_bytes[w]``; ``grad_d2h_bytes[w] = param_bytes[w]`` (or
-    ``* grad_bytes_per_param / itemsize``); ``head_seconds`` as profiled; bandwidths as described in the module docstring.
+    ``* grad_bytes_per_param / itemsize``); ``head_seconds`` as profiled; bandwidths: see the module docstring.
     """
     if backward_factor < 0:
         raise ValueError(f"backward_factor must be >= 0, got {backward_factor}")
