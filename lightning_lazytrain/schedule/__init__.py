@@ -9,8 +9,10 @@ from .admission import (
     check_admission,
     host_bytes_per_param,
 )
+from .build import build_problem
 from .milp import InfeasibleScheduleError, min_stored_bytes, precheck, solve
 from .problem import ScheduleProblem
+from .profile import Profile, cache_key, cache_path, measure_disk, profile_model
 from .schedule import TIERS, Schedule, Transfer, all_gpu_schedule, interval_schedule
 
 __all__ = [
@@ -31,4 +33,10 @@ __all__ = [
     "min_stored_bytes",
     "precheck",
     "solve",
+    "Profile",
+    "build_problem",
+    "cache_key",
+    "cache_path",
+    "measure_disk",
+    "profile_model",
 ]

@@ -1,0 +1,64 @@
+"""Turn a `Profile` into the solver's `ScheduleProblem` (window model of docs/schedule.md).
+
+Window w is layer w's compute, forward and backward together. What the engine runs in it, for every schedule:
+
+* the forward of layer w (``rho_w``, no grad),
+* in the backward, layer w's forward-with-grad from its boundary (every block re-runs its layers with grad; only
+  the *extra* no-grad re-forwards of a block, ``R(s, e)``, are schedule-dependent and the solver charges them),
+* layer w's backward, ``backward_factor * rho_w``.
+
+So ``window_seconds[w] = (2 + backward_factor) * rho_w`` with ``reforward=True`` (the default, what the engine does
+without ``keep_graph``), or ``(1 + backward_factor) * rho_w`` with ``reforward=False`` (every layer keeps its graph).
+The recompute forwards of ``R(s, e)`` are left out of the windows: the capacity is a lower estimate.
+
+Mandatory traffic per window: ``param_h2d_bytes[w] = 2 * param_bytes[w]`` (the layer's streamed weights copied for
+the forward and again for the backward; a recompute block's no-grad re-forward reuses the backward copy, as
+``engine/stack.py`` does; ``reforward=False`` means the layer keeps weights and graph from the forward: one copy),
+``grad_d2h_bytes[w] = param_bytes[w]`` (the gradient goes back in the stream dtype, bf16 under bf16-mixed),
+or ``n_params * grad_bytes_per_param`` when that is given.
+
+Link: forward offloads run beside weight prefetches and backward reloads beside gradient copies, so both
+directions are busy together. With ``duplex=True`` (default) each direction gets
+``min(one-way, both-at-once / 2)``; with ``duplex=False`` the one-way figures.
+"""
+
+from __future__ import annotations
+
+from .problem import ScheduleProblem
+from .profile import Profile
+
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+
+
+def build_problem(profile: Profile, gpu_budget_bytes: int, cpu_budget_bytes: int, nvme_budget_bytes: int,
+                  max_recompute_span: int = 4, backward_factor: float = 2.0, *, reforward: bool = True,
+                  duplex: bool = True, grad_bytes_per_param: int | None = None) -> ScheduleProblem:
+    """The placement problem for ``profile`` under the given activation budgets (bytes per home).
+
+    ``window_seconds[w] = (1 + backward_factor + reforward) * forward_seconds[w]``; ``param_h2d_bytes[w] =
+    (1 + reforward) * param_bytes[w]``; ``grad_d2h_bytes[w] = param_bytes[w]`` (or
+    ``* grad_bytes_per_param / itemsize``); ``head_seconds`` as profiled; bandwidths: see the module docstring.
+    """
+    if backward_factor < 0:
+        raise ValueError(f"backward_factor must be >= 0, got {backward_factor}")
+    itemsize = _ITEMSIZE.get(profile.dtype, 2)
+    factor = 1.0 + float(backward_factor) + (1.0 if reforward else 0.0)
+    h2d, d2h = profile.h2d_bytes_per_s, profile.d2h_bytes_per_s
+    if duplex:
+        h2d, d2h = min(h2d, profile.duplex_bytes_per_s / 2), min(d2h, profile.duplex_bytes_per_s / 2)
+    return ScheduleProblem(
+        activation_bytes=list(profile.activation_bytes),
+        forward_seconds=list(profile.forward_seconds),
+        window_seconds=[factor * f for f in profile.forward_seconds],
+        param_h2d_bytes=[(2 if reforward else 1) * b for b in profile.param_bytes],
+        grad_d2h_bytes=[b * (grad_bytes_per_param or itemsize) // itemsize for b in profile.param_bytes],
+        gpu_budget_bytes=int(gpu_budget_bytes),
+        cpu_budget_bytes=int(cpu_budget_bytes),
+        nvme_budget_bytes=int(nvme_budget_bytes),
+        h2d_bytes_per_s=float(h2d),
+        d2h_bytes_per_s=float(d2h),
+        nvme_read_bytes_per_s=float(profile.nvme_read_bytes_per_s),
+        nvme_write_bytes_per_s=float(profile.nvme_write_bytes_per_s),
+        max_recompute_span=int(max_recompute_span),
+        head_seconds=float(profile.head_seconds),
+    )

@@ -1,0 +1,349 @@
+"""Measure what the plan needs: per-layer forward time, boundary bytes, streamed bytes, link and disk bandwidth.
+
+`profile_model` is the only place in `schedule/` that touches CUDA. On a CUDA device it times one copy of one
+layer per distinct layer kind (``config.layer_types`` x parameter shapes) with CUDA events, the lm_head + loss on a
+token chunk, pinned H2D / D2H / both-at-once copies, and the spill disk. Without CUDA the compute and link numbers
+are analytic (`ANALYTIC_FLOPS`, REFERENCE.md's H200 link figures); the disk is still measured when a spill dir is
+given. Results are cached as JSON per machine + model shape + batch + seq + dtype (+ spill dir).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import platform
+import socket
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+
+from lightning_lazytrain.models.adapter import ModelAdapter
+
+PROFILE_VERSION = 1
+ANALYTIC_FLOPS = 1e11  # FLOP/s assumed for analytic compute estimates (no CUDA device to measure on)
+# REFERENCE.md, H200 benchmark machine: pinned PCIe per direction / both at once (total), disk write / read.
+H200_H2D, H200_D2H, H200_DUPLEX = 55.5e9, 55.3e9, 101e9
+DISK_WRITE, DISK_READ = 0.51e9, 1.28e9
+LINK_PROBE_BYTES, NVME_PROBE_BYTES_GPU, NVME_PROBE_BYTES_CPU = 256 << 20, 256 << 20, 16 << 20
+SOURCE_KEYS = ("forward_seconds", "head_seconds", "h2d", "d2h", "duplex", "nvme_read", "nvme_write")
+
+
+@dataclass
+class Profile:
+    """Measured (or estimated) facts of one model shape at one batch x seq on one machine.
+
+    forward_seconds[j]: one forward of layer j (j = 0..L-1), no grad. activation_bytes[i]: boundary i (0..L),
+    batch * seq * hidden * itemsize. param_bytes[j]: layer j's streamed parameter bytes (numel * itemsize of the
+    stream dtype). head_seconds: final norm + lm_head + loss, forward and backward. Bandwidths in bytes/s:
+    h2d / d2h one direction alone, duplex_bytes_per_s the total of both directions running at once.
+    sources[k] for k in SOURCE_KEYS: "measured" or "analytic".
+    """
+
+    forward_seconds: list[float]
+    activation_bytes: list[int]
+    param_bytes: list[int]
+    head_seconds: float
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    duplex_bytes_per_s: float
+    nvme_read_bytes_per_s: float
+    nvme_write_bytes_per_s: float
+    device_name: str
+    sources: dict[str, str]
+    batch: int = 0
+    seq: int = 0
+    dtype: str = ""
+    layer_types: list[str] = field(default_factory=list)
+    info: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.forward_seconds)
+        if n < 1 or len(self.activation_bytes) != n + 1 or len(self.param_bytes) != n:
+            raise ValueError(f"Profile needs L >= 1 forward_seconds, L+1 activation_bytes and L param_bytes; got "
+                             f"{n}, {len(self.activation_bytes)}, {len(self.param_bytes)}")
+        self.forward_seconds = [float(v) for v in self.forward_seconds]
+        self.activation_bytes = [int(v) for v in self.activation_bytes]
+        self.param_bytes = [int(v) for v in self.param_bytes]
+        for name in ("h2d_bytes_per_s", "d2h_bytes_per_s", "duplex_bytes_per_s", "nvme_read_bytes_per_s",
+                     "nvme_write_bytes_per_s"):
+            if not float(getattr(self, name)) > 0:
+                raise ValueError(f"Profile.{name} must be > 0, got {getattr(self, name)!r}")
+        if min(self.forward_seconds) < 0 or float(self.head_seconds) < 0:
+            raise ValueError("Profile times must be >= 0")
+        bad = {k: v for k, v in self.sources.items() if v not in ("measured", "analytic")}
+        if bad or set(self.sources) != set(SOURCE_KEYS):
+            raise ValueError(f"Profile.sources needs exactly {SOURCE_KEYS} -> measured|analytic, got {self.sources}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.forward_seconds)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps({"version": PROFILE_VERSION, **self.to_dict()}, indent=indent)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Profile:
+        if not isinstance(d, dict):
+            raise ValueError("a profile must be a JSON object")
+        d = dict(d)
+        if d.pop("version", PROFILE_VERSION) != PROFILE_VERSION or set(d) - {f.name for f in fields(cls)}:
+            raise ValueError(f"not a version-{PROFILE_VERSION} profile: keys {sorted(d)}")
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, text: str) -> Profile:
+        return cls.from_dict(json.loads(text))
+
+
+def _unique_numel(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
+
+
+def _layer_groups(adapter: ModelAdapter) -> dict[tuple, list[int]]:
+    """Layers grouped by (layer type, parameter names and shapes): one measurement per group."""
+    types = adapter.layer_types()
+    groups: dict[tuple, list[int]] = {}
+    for j, layer in enumerate(adapter.layers):
+        shapes = tuple((name, tuple(p.shape)) for name, p in layer.named_parameters())
+        groups.setdefault((types[j], shapes), []).append(j)
+    return groups
+
+
+def _attention_flops(config, layer_type: str, batch: int, seq: int) -> float:
+    """Forward FLOPs of the token mixing not in the weights: causal QK^T + AV, or a chunked linear attention."""
+    if layer_type == "linear_attention":
+        dv = getattr(config, "linear_num_value_heads", 0) * getattr(config, "linear_value_head_dim", 0)
+        return 4.0 * batch * seq * min(seq, 64) * dv  # chunk-64 gated delta rule, linear in seq
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 4.0 * batch * seq * seq * config.num_attention_heads * head_dim * 0.5
+
+
+def _rotary_inputs(rotary: torch.nn.Module, h: torch.Tensor, batch: int, seq: int):
+    pos = torch.arange(seq, device=h.device).unsqueeze(0).expand(batch, -1)
+    try:
+        return pos, rotary(h, pos)
+    except Exception:  # multimodal RoPE (Qwen3.5 in transformers 5.17) wants 3 rows of position ids
+        pos3 = pos.unsqueeze(0).expand(3, -1, -1)
+        return pos3, rotary(h, pos3)
+
+
+def _time_cuda(fn, device: torch.device, warm: int = 2, reps: int = 3) -> float:
+    """Seconds per call of ``fn``: events around ``reps`` back-to-back calls, no synchronize inside the loop."""
+    for _ in range(warm):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    stream = torch.cuda.current_stream(device)
+    start.record(stream)
+    for _ in range(reps):
+        fn()
+    end.record(stream)
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
+def _time_wall(fn, device: torch.device, warm: int = 1, reps: int = 2) -> float:
+    """Wall-clock stand-in for `_time_cuda` (CPU runs of the measuring code in tests)."""
+    for _ in range(warm):
+        fn()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps
+
+
+def _measure_layers(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, dtype,
+                    timer=_time_cuda) -> dict[int, float]:
+    """Seconds of one no-grad forward per layer index: one copy of one layer per group, timed with ``timer``."""
+    hidden = adapter.model.config.hidden_size
+    rotary = copy.deepcopy(adapter.rotary).to(device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    h = torch.randn(batch, seq, hidden, device=device, dtype=dtype, generator=gen)
+    pos, pe = _rotary_inputs(rotary, h, batch, seq)
+    out: dict[int, float] = {}
+    for (_, _), members in _layer_groups(adapter).items():
+        layer = copy.deepcopy(adapter.layers[members[0]]).to(device=device, dtype=dtype).eval()
+        with torch.no_grad():
+            secs = timer(lambda layer=layer: layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe),
+                         device)
+        for j in members:
+            out[j] = secs
+    return out
+
+
+def _measure_head(adapter: ModelAdapter, tokens: int, device: torch.device, dtype, timer=_time_cuda) -> float:
+    """lm_head + cross-entropy forward and backward on a chunk of <= 4096 tokens, scaled to ``tokens``."""
+    head = adapter.lm_head.weight
+    chunk = min(tokens, 4096)
+    w = head.detach().to(device=device, dtype=dtype).requires_grad_(True)
+    x = torch.randn(chunk, head.shape[1], device=device, dtype=dtype, requires_grad=True)
+    y = torch.randint(0, head.shape[0], (chunk,), device=device)
+
+    def step() -> None:
+        loss = torch.nn.functional.cross_entropy((x @ w.t()).float(), y)
+        loss.backward()
+
+    return timer(step, device) * tokens / chunk
+
+
+def _measure_link_cuda(device: torch.device, nbytes: int = LINK_PROBE_BYTES, reps: int = 3) -> tuple[float, ...]:
+    """Pinned H2D, D2H and both at once on two streams; best of ``reps``; bytes/s (duplex = total of both)."""
+    host_a = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host_b = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev_a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dev_b = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    s1, s2 = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+    def timed(copies) -> float:
+        best = float("inf")
+        for r in range(reps + 1):
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(s1)
+            s2.wait_event(start)
+            ends = []
+            for stream, dst, src in copies:
+                with torch.cuda.stream(stream):
+                    dst.copy_(src, non_blocking=True)
+                ends.append(torch.cuda.Event(enable_timing=True))
+                ends[-1].record(stream)
+            for e in ends:
+                e.synchronize()
+            if r:  # the first round is a warm-up
+                best = min(best, max(start.elapsed_time(e) for e in ends) / 1e3)
+        return best
+
+    h2d = nbytes / timed([(s1, dev_a, host_a)])
+    d2h = nbytes / timed([(s1, host_a, dev_a)])
+    duplex = 2 * nbytes / timed([(s1, dev_a, host_a), (s2, host_b, dev_b)])
+    del dev_a, dev_b
+    torch.cuda.empty_cache()
+    return h2d, d2h, duplex
+
+
+def measure_disk(spill_dir: str, nbytes: int) -> tuple[float, float]:
+    """(read, write) bytes/s of a temp file in ``spill_dir``: write + fsync, drop it from the page cache, read.
+
+    The file is removed before returning, also on error.
+    """
+    os.makedirs(spill_dir, exist_ok=True)
+    chunk = min(nbytes, 16 << 20)
+    buf = os.urandom(chunk)
+    fd, path = tempfile.mkstemp(prefix=".lazytrain-probe-", suffix=".bin", dir=spill_dir)
+    try:
+        t0 = time.perf_counter()
+        written = 0
+        while written < nbytes:
+            written += os.write(fd, buf[: min(chunk, nbytes - written)])
+        os.fsync(fd)
+        write_s = time.perf_counter() - t0
+        os.close(fd)
+        fd = -1
+        fd = os.open(path, os.O_RDONLY)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # read from the disk, not the page cache
+        t0 = time.perf_counter()
+        while os.read(fd, chunk):
+            pass
+        read_s = time.perf_counter() - t0
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        os.unlink(path)
+    return written / max(read_s, 1e-9), written / max(write_s, 1e-9)
+
+
+def _measure(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, stream_dtype: torch.dtype,
+             spill_dir: str | None) -> Profile:
+    """Measure (CUDA) or estimate (otherwise) everything; no caching here."""
+    config = adapter.model.config
+    itemsize = torch.empty((), dtype=stream_dtype).element_size()
+    n, tokens, types = adapter.num_layers, batch * seq, adapter.layer_types()
+    numel = [_unique_numel(layer) for layer in adapter.layers]
+    cuda = device.type == "cuda"
+    src = dict.fromkeys(SOURCE_KEYS, "measured" if cuda else "analytic")
+    if cuda:
+        per_layer = _measure_layers(adapter, batch, seq, device, stream_dtype)
+        forward = [per_layer[j] for j in range(n)]
+        torch.cuda.empty_cache()
+        head = _measure_head(adapter, tokens, device, stream_dtype)
+        h2d, d2h, duplex = _measure_link_cuda(device)
+        name = torch.cuda.get_device_name(device)
+    else:
+        forward = [(2.0 * numel[j] * tokens + _attention_flops(config, types[j], batch, seq)) / ANALYTIC_FLOPS
+                   for j in range(n)]
+        head = 6.0 * config.vocab_size * config.hidden_size * tokens / ANALYTIC_FLOPS
+        h2d, d2h, duplex = H200_H2D, H200_D2H, H200_DUPLEX
+        name = f"cpu:{platform.processor() or platform.machine()}"
+    read, write, src["nvme_read"] = DISK_READ, DISK_WRITE, "analytic"
+    if spill_dir is not None:
+        read, write = measure_disk(spill_dir, NVME_PROBE_BYTES_GPU if cuda else NVME_PROBE_BYTES_CPU)
+        src["nvme_read"] = "measured"
+    src["nvme_write"] = src["nvme_read"]
+    act = batch * seq * config.hidden_size * itemsize
+    return Profile(forward_seconds=forward, activation_bytes=[act] * (n + 1), param_bytes=[k * itemsize for k in numel],
+                   head_seconds=head, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, duplex_bytes_per_s=duplex,
+                   nvme_read_bytes_per_s=read, nvme_write_bytes_per_s=write, device_name=name, sources=src,
+                   batch=batch, seq=seq, dtype=str(stream_dtype).replace("torch.", ""), layer_types=types,
+                   info={"analytic_flops": None if cuda else ANALYTIC_FLOPS, "spill_dir": spill_dir})
+
+
+def cache_key(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, stream_dtype: torch.dtype,
+              spill_dir: str | None = None) -> dict:
+    """What identifies a profile: machine, device, library versions, model shape, batch, seq, dtype, spill dir."""
+    import transformers
+
+    cfg = {k: v for k, v in adapter.model.config.to_dict().items()
+           if k not in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "_commit_hash")}
+    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"version": PROFILE_VERSION, "host": socket.gethostname(), "machine": platform.machine(),
+            "device": f"{device.type}:{dev}", "torch": torch.__version__, "transformers": transformers.__version__,
+            "config": json.loads(json.dumps(cfg, sort_keys=True, default=str)), "batch": int(batch), "seq": int(seq),
+            "dtype": str(stream_dtype), "spill_dir": None if spill_dir is None else os.path.abspath(spill_dir)}
+
+
+def default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "lightning_lazytrain" / "profiles"
+
+
+def cache_path(key: dict, cache_dir: str | None = None) -> Path:
+    sha = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    return Path(cache_dir if cache_dir is not None else default_cache_dir()) / f"{sha}.json"
+
+
+def _load_cached(path: Path, key: dict) -> Profile | None:
+    try:
+        d = json.loads(path.read_text())
+        return Profile.from_dict(d["profile"]) if d.get("key") == key else None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None  # missing or corrupt: measure again and overwrite
+
+
+def profile_model(adapter: ModelAdapter, batch: int, seq: int, device: torch.device,
+                  stream_dtype: torch.dtype = torch.bfloat16, spill_dir: str | None = None,
+                  cache_dir: str | None = None, use_cache: bool = True) -> Profile:
+    """Profile ``adapter``'s model at ``batch`` x ``seq`` on ``device``; read from / written to the cache.
+
+    The cache file is ``cache_dir/<sha of cache_key(...)>.json`` (default ~/.cache/lightning_lazytrain/profiles);
+    a file that does not parse or whose key differs is ignored and rewritten (atomically).
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = cache_key(adapter, batch, seq, device, stream_dtype, spill_dir)
+    path = cache_path(key, cache_dir)
+    if use_cache and (cached := _load_cached(path, key)) is not None:
+        return cached
+    prof = _measure(adapter, batch, seq, device, stream_dtype, spill_dir)
+    if use_cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"key": key, "profile": {"version": PROFILE_VERSION, **prof.to_dict()}}, indent=2))
+        os.replace(tmp, path)
+    return prof

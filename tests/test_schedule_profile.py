@@ -1,0 +1,168 @@
+"""schedule/profile.py and schedule/build.py: Profile shapes, cache, disk probe, and the problem the solver gets."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from helpers import tiny_model
+
+from lightning_lazytrain.models.adapter import adapter_for
+from lightning_lazytrain.schedule import (
+    Profile,
+    build_problem,
+    cache_key,
+    cache_path,
+    measure_disk,
+    profile_model,
+    solve,
+)
+from lightning_lazytrain.schedule import profile as profile_mod
+
+CPU = torch.device("cpu")
+BATCH, SEQ, HIDDEN, LAYERS = 2, 16, 64, 4
+
+
+def _adapter(family: str):
+    return adapter_for(tiny_model(family))
+
+
+def _layer_numel(layer: torch.nn.Module) -> int:
+    return sum(p.numel() for p in layer.parameters())
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3.5"])
+@pytest.mark.parametrize("dtype,itemsize", [(torch.bfloat16, 2), (torch.float32, 4)])
+def test_profile_lengths_and_bytes(tmp_path, family, dtype, itemsize):
+    adapter = _adapter(family)
+    prof = profile_model(adapter, BATCH, SEQ, CPU, dtype, cache_dir=str(tmp_path))
+    assert prof.num_layers == LAYERS
+    assert len(prof.forward_seconds) == LAYERS and len(prof.param_bytes) == LAYERS
+    assert prof.activation_bytes == [BATCH * SEQ * HIDDEN * itemsize] * (LAYERS + 1)
+    assert prof.param_bytes == [_layer_numel(layer) * itemsize for layer in adapter.layers]
+    assert all(f > 0 for f in prof.forward_seconds) and prof.head_seconds > 0
+    assert set(prof.sources.values()) == {"analytic"}  # no CUDA, no spill dir
+    assert prof.layer_types == adapter.layer_types()
+    assert (prof.batch, prof.seq) == (BATCH, SEQ)
+    assert Profile.from_json(prof.to_json()) == prof
+    if family == "qwen3.5":  # hybrid: linear and full attention layers get their own estimates
+        assert set(prof.layer_types) == {"linear_attention", "full_attention"}
+        by_type = {t: f for t, f in zip(prof.layer_types, prof.forward_seconds)}
+        assert by_type["linear_attention"] != by_type["full_attention"]
+
+
+def test_profile_json_rejects_bad_input():
+    prof = profile_model(_adapter("qwen2"), BATCH, SEQ, CPU, torch.bfloat16, use_cache=False)
+    d = json.loads(prof.to_json())
+    with pytest.raises(ValueError):
+        Profile.from_dict({**d, "version": 99})
+    with pytest.raises(ValueError):
+        Profile.from_dict({**d, "activation_bytes": d["activation_bytes"][:-1]})
+    with pytest.raises(ValueError):
+        Profile.from_dict({**d, "sources": {**d["sources"], "h2d": "guessed"}})
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3.5"])
+def test_measuring_code_runs_layers_and_head(family):
+    """The CUDA path's layer/head calls (rotary, kwargs, one copy per layer kind), timed by wall clock on the CPU."""
+    adapter = _adapter(family)
+    calls = []
+
+    def timer(fn, device):
+        fn()
+        calls.append(1)
+        return 0.5
+
+    per_layer = profile_mod._measure_layers(adapter, BATCH, SEQ, CPU, torch.float32, timer=timer)
+    assert sorted(per_layer) == list(range(LAYERS)) and set(per_layer.values()) == {0.5}
+    assert len(calls) == len(set(adapter.layer_types()))  # one measurement per distinct layer kind
+    assert profile_mod._measure_head(adapter, 64, CPU, torch.float32, timer=timer) == pytest.approx(0.5)
+    real = profile_mod._measure_layers(adapter, BATCH, SEQ, CPU, torch.float32, timer=profile_mod._time_wall)
+    assert all(v > 0 for v in real.values())
+
+
+def test_cache_hit_on_second_call(tmp_path, monkeypatch):
+    adapter = _adapter("qwen2")
+    first = profile_model(adapter, BATCH, SEQ, CPU, torch.bfloat16, cache_dir=str(tmp_path))
+    path = cache_path(cache_key(adapter, BATCH, SEQ, CPU, torch.bfloat16), str(tmp_path))
+    assert path.exists() and list(tmp_path.iterdir()) == [path]
+
+    def fail(*args, **kwargs):
+        raise AssertionError("re-measured although a cached profile exists")
+
+    monkeypatch.setattr(profile_mod, "_measure", fail)
+    second = profile_model(adapter, BATCH, SEQ, CPU, torch.bfloat16, cache_dir=str(tmp_path))
+    assert second == first
+    with pytest.raises(AssertionError, match="re-measured"):  # another batch is another key
+        profile_model(adapter, BATCH * 2, SEQ, CPU, torch.bfloat16, cache_dir=str(tmp_path))
+
+
+def test_corrupt_cache_is_rewritten(tmp_path, monkeypatch):
+    adapter = _adapter("qwen2")
+    path = cache_path(cache_key(adapter, BATCH, SEQ, CPU, torch.bfloat16), str(tmp_path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("{not json")
+    real, calls = profile_mod._measure, []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(profile_mod, "_measure", counting)
+    prof = profile_model(adapter, BATCH, SEQ, CPU, torch.bfloat16, cache_dir=str(tmp_path))
+    assert len(calls) == 1
+    stored = json.loads(path.read_text())
+    assert Profile.from_dict(stored["profile"]) == prof
+    # a parseable file with a wrong shape is also ignored and rewritten
+    path.write_text(json.dumps({"key": stored["key"], "profile": {"forward_seconds": [1.0]}}))
+    assert profile_model(adapter, BATCH, SEQ, CPU, torch.bfloat16, cache_dir=str(tmp_path)) == prof
+    assert len(calls) == 2 and Profile.from_dict(json.loads(path.read_text())["profile"]) == prof
+
+
+def test_nvme_probe_leaves_no_file(tmp_path):
+    spill = tmp_path / "spill"
+    read, write = measure_disk(str(spill), 1 << 20)
+    assert read > 0 and write > 0 and os.listdir(spill) == []
+    prof = profile_model(_adapter("qwen2"), BATCH, SEQ, CPU, torch.bfloat16, spill_dir=str(spill),
+                         cache_dir=str(tmp_path / "cache"))
+    assert prof.sources["nvme_read"] == prof.sources["nvme_write"] == "measured"
+    assert prof.nvme_read_bytes_per_s != profile_mod.DISK_READ and prof.nvme_write_bytes_per_s != profile_mod.DISK_WRITE
+    assert prof.sources["h2d"] == "analytic"
+    assert os.listdir(spill) == []
+
+
+def test_build_problem_and_solve(tmp_path):
+    prof = profile_model(_adapter("qwen3.5"), BATCH, SEQ, CPU, torch.bfloat16, cache_dir=str(tmp_path))
+    huge = 1 << 40
+    problem = build_problem(prof, huge, huge, huge)
+    assert problem.num_layers == LAYERS and problem.max_recompute_span == 4
+    assert problem.activation_bytes == prof.activation_bytes
+    assert problem.forward_seconds == prof.forward_seconds
+    assert problem.window_seconds == pytest.approx([4.0 * f for f in prof.forward_seconds])  # fwd + re-fwd + 2 fwd
+    assert problem.param_h2d_bytes == [2 * b for b in prof.param_bytes]
+    assert problem.grad_d2h_bytes == prof.param_bytes
+    assert problem.head_seconds == prof.head_seconds
+    assert problem.h2d_bytes_per_s == pytest.approx(min(prof.h2d_bytes_per_s, prof.duplex_bytes_per_s / 2))
+    sched = solve(problem, time_limit=10)
+    assert sched.tiers == ["gpu"] * (LAYERS + 1)
+    assert sched.recomputed_layers() == 0
+    # only the two ends fit anywhere: the plan must recompute, proving the budgets reach the solver
+    ends = prof.activation_bytes[0] + prof.activation_bytes[-1]
+    tight = solve(build_problem(prof, ends, 0, 0, max_recompute_span=LAYERS), time_limit=10)
+    assert tight.tiers == ["gpu"] + ["recompute"] * (LAYERS - 1) + ["gpu"]
+    kept = build_problem(prof, huge, huge, huge, backward_factor=1.0, reforward=False)
+    assert kept.window_seconds == pytest.approx([2.0 * f for f in prof.forward_seconds])
+    assert kept.param_h2d_bytes == prof.param_bytes
+
+
+@pytest.mark.gpu
+def test_profile_on_cuda(tmp_path):
+    adapter = _adapter("qwen3.5")
+    prof = profile_model(adapter, BATCH, SEQ, torch.device("cuda"), torch.bfloat16, spill_dir=str(tmp_path / "s"),
+                         cache_dir=str(tmp_path / "c"))
+    assert set(prof.sources.values()) == {"measured"}
+    assert all(f > 0 for f in prof.forward_seconds) and prof.head_seconds > 0
+    assert prof.h2d_bytes_per_s > 1e9 and prof.duplex_bytes_per_s > 1e9
+    assert os.listdir(tmp_path / "s") == []
