@@ -8,11 +8,7 @@ On the CPU every copy is synchronous, but the same code runs, files included, so
 
 from __future__ import annotations
 
-import errno
-import os
-import re
 import shutil
-import tempfile
 import threading
 import weakref
 from collections.abc import Sequence
@@ -24,48 +20,12 @@ import torch
 
 from lightning_lazytrain.engine.device import DeviceQueues, host_wait
 from lightning_lazytrain.engine.pinned import PinnedAllocator
+from lightning_lazytrain.engine.spill import SpillDir, SpillError
 
-_SPILL_DIR = re.compile(r"^lazytrain-(\d+)-")
-
-
-class SpillError(RuntimeError):
-    """The spill directory cannot take (or give back) a boundary: missing, unwritable, full, or unreadable."""
-
+__all__ = ["ActivationHomes", "MissingBoundaryError", "SpillError"]
 
 class MissingBoundaryError(LookupError):
     """``get``/``prefetch`` of a boundary that was not ``put`` in this step."""
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, owned by someone else
-        return True
-    return True
-
-
-def _remove_dead_leftovers(spill_dir: str) -> None:
-    """A crashed (killed) run cannot clean up after itself; the next start removes its directory."""
-    for name in os.listdir(spill_dir):
-        match = _SPILL_DIR.match(name)
-        if match and not _pid_alive(int(match.group(1))):
-            shutil.rmtree(os.path.join(spill_dir, name), ignore_errors=True)
-
-
-def _write_all(fd: int, data: memoryview) -> None:
-    # os.write may write less than asked (Linux caps one call near 2 GiB), so loop.
-    while len(data):
-        data = data[os.write(fd, data) :]
-
-
-def _read_all(fd: int, data: memoryview, path: str) -> None:
-    while len(data):
-        n = os.readv(fd, [data])
-        if n == 0:
-            raise SpillError(f"lazytrain spill file {path} is shorter than expected (was it modified or truncated?)")
-        data = data[n:]
 
 
 def _finalize(pool: ThreadPoolExecutor | None, root: str | None) -> None:
@@ -111,7 +71,7 @@ class _Entry:
     host: torch.Tensor | None = None  # "cpu": the host buffer holding the bytes
     offloaded: torch.cuda.Event | None = None  # D2H done
     ready: torch.cuda.Event | None = None  # "cpu": H2D done
-    path: str | None = None
+    name: str | None = None  # "nvme": the spill file
     write: Future | None = None
     read: Future | None = None  # "nvme": resolves to the H2D event
 
@@ -125,27 +85,17 @@ class ActivationHomes:
         self._stats_lock = threading.Lock()
         self._entries: dict[int, _Entry] = {}
         self._closed = False
-        self.spill_dir, self.root, self._pool = spill_dir, None, None
+        self.spill_dir, self.spill, self._pool = spill_dir, None, None
         if "nvme" in self.homes and spill_dir is None:
             raise ValueError("the plan puts boundaries on NVMe but no spill_dir was given: pass spill_dir (a folder "
                              "on a fast local disk) or a plan without NVMe homes (nvme budget 0)")
         if spill_dir is not None:
-            # A missing folder is refused, not created: it is often an unmounted disk, and creating it would spill
-            # onto the root file system instead.
-            if not os.path.isdir(spill_dir):
-                raise SpillError(f"lazytrain spill_dir {spill_dir!r} does not exist or is not a directory")
-            _remove_dead_leftovers(spill_dir)
-            try:
-                self.root = tempfile.mkdtemp(prefix=f"lazytrain-{os.getpid()}-", dir=spill_dir)
-            except OSError as exc:
-                raise SpillError(f"lazytrain cannot create its folder in spill_dir {spill_dir!r}: {exc}. Make it "
-                                 "writable for this user or choose another spill_dir.") from exc
+            self.spill = SpillDir(spill_dir)
             if "nvme" in self.homes:
                 self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lazytrain-spill")
         # Runs at close(), garbage collection or interpreter exit, whichever comes first; holds no ref to self.
-        self._finalizer = weakref.finalize(self, _finalize, self._pool, self.root)
+        self._finalizer = weakref.finalize(self, _finalize, self._pool, self.spill and self.spill.root)
 
-    # ---------------------------------------------------------------- offload
 
     def put(self, i: int, tensor: torch.Tensor) -> None:
         """Store boundary ``i`` (just produced on the compute stream) in its planned home."""
@@ -182,39 +132,18 @@ class ActivationHomes:
         if entry.home == "cpu":
             entry.host = buf
         else:
-            entry.path = os.path.join(self.root, f"boundary-{i}.bin")
+            entry.name = f"boundary-{i}.bin"
             entry.write = self._pool.submit(self._write, i, entry, buf)
 
     def _write(self, i: int, entry: _Entry, buf: torch.Tensor) -> None:
+        last_use = entry.offloaded  # until the D2H into it is known done, the buffer may not be reused
         try:
             host_wait(entry.offloaded, f"the offload of boundary {i}", self.timeout_s)
-        except TimeoutError:
-            self.buffers.give(buf, entry.offloaded)  # the D2H may still be writing into it
-            raise
-        try:
-            fd = os.open(entry.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                _write_all(fd, memoryview(buf.numpy()).cast("B"))
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            if os.path.exists(entry.path):  # a partial file would only waste the disk that just ran out
-                os.remove(entry.path)
-            raise self._spill_error(i, entry, exc) from exc
+            last_use = None
+            self.spill.write(entry.name, memoryview(buf.numpy()).cast("B"), f"boundary {i}")
         finally:
-            self.buffers.give(buf, None)  # the host is done with it; no device copy pending
+            self.buffers.give(buf, last_use)
         self._count("nvme_write_bytes", entry.nbytes)
-
-    def _spill_error(self, i: int, entry: _Entry, exc: OSError) -> SpillError:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            free = shutil.disk_usage(self.spill_dir).free
-            return SpillError(
-                f"lazytrain ran out of disk space in spill_dir {self.spill_dir!r} writing boundary {i}: asked for "
-                f"{entry.nbytes} bytes ({entry.nbytes / 2**30:.3f} GiB), {free} bytes ({free / 2**30:.3f} GiB) free. "
-                "Point spill_dir at a larger disk, or lower the NVMe activation budget so fewer boundaries spill."
-            )
-        return SpillError(f"lazytrain could not write boundary {i} to {entry.path!r} in spill_dir "
-                          f"{self.spill_dir!r}: {exc}")
 
     def _raise_write_errors(self) -> None:
         for entry in self._entries.values():
@@ -227,7 +156,6 @@ class ActivationHomes:
             if entry.write is not None:
                 self._result(entry.write, i, "written to")
 
-    # ----------------------------------------------------------------- reload
 
     def prefetch(self, i: int) -> None:
         """Start bringing boundary ``i`` back to the device, so it overlaps compute queued before ``get(i)``."""
@@ -257,15 +185,10 @@ class ActivationHomes:
         buf, last_use = self.buffers.take(entry.nbytes)
         host_wait(last_use, "a reload out of a reused host buffer", self.timeout_s)
         try:
-            fd = os.open(entry.path, os.O_RDONLY)
-            try:
-                _read_all(fd, memoryview(buf.numpy()).cast("B"), entry.path)
-            finally:
-                os.close(fd)
-            os.remove(entry.path)  # the bytes are in host memory now; free the disk at once
-        except OSError as exc:
+            self.spill.read(entry.name, memoryview(buf.numpy()).cast("B"), f"boundary {i}")
+        except BaseException:
             self.buffers.give(buf, None)
-            raise SpillError(f"lazytrain could not read boundary {i} back from {entry.path!r}: {exc}") from exc
+            raise
         self._count("nvme_read_bytes", entry.nbytes)
         # The H2D is queued from this thread, so it starts as soon as the bytes are in, not at get().
         q.wait(allocated, q.h2d)
@@ -286,7 +209,6 @@ class ActivationHomes:
         self.queues.wait(entry.ready)
         return entry.tensor
 
-    # ------------------------------------------------------------- lifecycle
 
     def clear(self) -> None:
         """Drop every boundary of this step (after a backward, a no-grad forward, or a failed step)."""
@@ -297,15 +219,15 @@ class ActivationHomes:
     def _drop(self, entry: _Entry) -> None:
         # A queued read is cancelled; a write is not (it holds a host buffer that it gives back when it ends).
         if entry.read is not None and not entry.read.cancel():
-            entry.ready = self._quiet(entry.read)
+            entry.ready = self._result(entry.read, -1, quiet=True)
         if entry.write is not None:
-            self._quiet(entry.write)
+            self._result(entry.write, -1, quiet=True)
         # A reload target freed before its H2D finished could be handed to new compute work while still written.
         self.queues.wait(entry.ready)
         if entry.host is not None:
             self.buffers.give(entry.host, entry.offloaded)
-        if entry.path is not None and os.path.exists(entry.path):
-            os.remove(entry.path)
+        if entry.name is not None:
+            self.spill.remove(entry.name)
 
     def close(self) -> None:
         """Clear, stop the I/O threads and delete the spill folder. Idempotent."""
@@ -317,7 +239,6 @@ class ActivationHomes:
             self._closed = True
             self._finalizer()
 
-    # ---------------------------------------------------------------- helpers
 
     def stats(self) -> dict[str, int]:
         return {"offload_bytes": self.offload_bytes, "reload_bytes": self.reload_bytes,
@@ -331,18 +252,18 @@ class ActivationHomes:
                                        "already consumed by get()")
         return self._entries[i]
 
-    def _result(self, future: Future, i: int, what: str):
+    def _result(self, future: Future, i: int, what: str = "", quiet: bool = False):
         try:
             return future.result(timeout=self.timeout_s)
         except FutureTimeout:
+            if quiet:
+                return None
             raise TimeoutError(f"lazytrain waited {self.timeout_s:.0f} s for boundary {i} to be {what} the spill "
                                f"dir {self.spill_dir!r}; is the disk stalled or full?") from None
-
-    def _quiet(self, future: Future):
-        try:
-            return future.result(timeout=self.timeout_s)
-        except Exception:  # noqa: BLE001 - a dropped boundary's failure no longer matters
-            return None
+        except Exception:
+            if quiet:  # a dropped boundary's failure no longer matters
+                return None
+            raise
 
     def _count(self, name: str, nbytes: int) -> None:
         with self._stats_lock:
