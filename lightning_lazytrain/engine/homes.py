@@ -24,6 +24,7 @@ from lightning_lazytrain.engine.spill import SpillDir, SpillError
 
 __all__ = ["ActivationHomes", "MissingBoundaryError", "SpillError"]
 
+
 class MissingBoundaryError(LookupError):
     """``get``/``prefetch`` of a boundary that was not ``put`` in this step."""
 
@@ -94,8 +95,7 @@ class ActivationHomes:
             if "nvme" in self.homes:
                 self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lazytrain-spill")
         # Runs at close(), garbage collection or interpreter exit, whichever comes first; holds no ref to self.
-        self._finalizer = weakref.finalize(self, _finalize, self._pool, self.spill and self.spill.root)
-
+        self._finalizer = weakref.finalize(self, _finalize, self._pool, self.spill.root if self.spill else None)
 
     def put(self, i: int, tensor: torch.Tensor) -> None:
         """Store boundary ``i`` (just produced on the compute stream) in its planned home."""
@@ -156,7 +156,6 @@ class ActivationHomes:
             if entry.write is not None:
                 self._result(entry.write, i, "written to")
 
-
     def prefetch(self, i: int) -> None:
         """Start bringing boundary ``i`` back to the device, so it overlaps compute queued before ``get(i)``."""
         entry = self._entry(i)
@@ -209,7 +208,6 @@ class ActivationHomes:
         self.queues.wait(entry.ready)
         return entry.tensor
 
-
     def clear(self) -> None:
         """Drop every boundary of this step (after a backward, a no-grad forward, or a failed step)."""
         entries, self._entries = self._entries, {}
@@ -238,7 +236,6 @@ class ActivationHomes:
         finally:
             self._closed = True
             self._finalizer()
-
 
     def stats(self) -> dict[str, int]:
         return {"offload_bytes": self.offload_bytes, "reload_bytes": self.reload_bytes,
