@@ -7,7 +7,7 @@ torch optimizer over ``module.parameters()`` updates the masters), and hooks the
 
 from __future__ import annotations
 
-import re
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -20,10 +20,14 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from transformers import PreTrainedModel
 
-from lightning_lazytrain.engine import StackPlan, StreamingExecutor
+from lightning_lazytrain.engine import StreamingExecutor
 from lightning_lazytrain.models import adapter_for
 from lightning_lazytrain.optim import NonFiniteGuard
+from lightning_lazytrain.planner import PlanSettings, initial_plan, plan_of, solve_plan, write_plan
 from lightning_lazytrain.precision import LazyTrainPrecision
+from lightning_lazytrain.schedule import Schedule
+
+log = logging.getLogger(__name__)
 
 
 class ModelNotFoundError(ValueError):
@@ -36,7 +40,9 @@ class LazyTrainStrategy(Strategy):
     Args:
         model_attr: attribute of the LightningModule holding the HF model; found automatically when there is one.
         schedule: ``"interval:K"`` keeps every K-th layer boundary on the device and recomputes the rest in the
-            backward (``"interval:1"``: every boundary kept, one re-forward per layer).
+            backward (``"interval:1"``: every boundary kept, one re-forward per layer); ``"milp"`` solves the
+            activation plan (GPU / CPU / NVMe / recompute per boundary) at the first training batch; a path to a
+            ``.json`` plan runs that plan.
         keep_graph_layers: the last N layers keep their whole autograd graph on the device (no re-forward).
         num_slots: device weight slots; default: what the plan needs plus ``prefetch_depth``.
         prefetch_depth: how many layers ahead weights are copied while the current one computes.
@@ -45,6 +51,10 @@ class LazyTrainStrategy(Strategy):
             optimization and no gradient accumulation, the engine runs the update per layer on a worker thread from
             bf16 host gradients, hidden behind the next forward. ``.grad`` is then not filled on the host.
         timeout_s: longest wait for any transfer before an error names it.
+        gpu_activation_gib / cpu_activation_gib / nvme_activation_gib: activation budgets for the MILP (default:
+            half the free GPU memory, a quarter of the available host RAM, 80% of the spill dir's free space).
+        spill_dir: directory for NVMe activation homes (files are removed at teardown and after a crash).
+        solver_time_limit / solver_mip_gap: HiGHS limits for the MILP.
     """
 
     strategy_name = "lazytrain"
@@ -59,6 +69,13 @@ class LazyTrainStrategy(Strategy):
         pin_memory: bool | None = None,
         overlap_updates: bool = True,
         timeout_s: float = 600.0,
+        gpu_activation_gib: float | None = None,
+        cpu_activation_gib: float | None = None,
+        nvme_activation_gib: float | None = None,
+        spill_dir: str | None = None,
+        max_recompute_span: int = 4,
+        solver_time_limit: float = 10.0,
+        solver_mip_gap: float = 0.01,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
@@ -79,7 +96,11 @@ class LazyTrainStrategy(Strategy):
         self.last_step_stats: dict[str, float] = {}
         self.global_rank = self.local_rank = 0
         self.world_size = 1
-        _parse_schedule(schedule)
+        self.plan_settings = PlanSettings(schedule, keep_graph_layers, gpu_activation_gib, cpu_activation_gib,
+                                          nvme_activation_gib, spill_dir, max_recompute_span, solver_time_limit,
+                                          solver_mip_gap)
+        self.plan_settings.kind()
+        self.schedule_result: Schedule | None = None
 
     @property
     def precision_plugin(self) -> LazyTrainPrecision:
@@ -144,8 +165,7 @@ class LazyTrainStrategy(Strategy):
         if self.executor is None:
             adapter = adapter_for(hf_model)
             precision.convert_module(self.model)
-            k = _parse_schedule(self.schedule)
-            plan = StackPlan.every(adapter.num_layers, k, self.keep_graph_layers)
+            plan = initial_plan(self.plan_settings, adapter.num_layers)
             pin = self.root_device.type == "cuda" if self.pin_memory is None else self.pin_memory
             self.executor = StreamingExecutor(
                 adapter,
@@ -157,6 +177,7 @@ class LazyTrainStrategy(Strategy):
                 prefetch_depth=self.prefetch_depth,
                 pin_memory=pin,
                 timeout_s=self.timeout_s,
+                spill_dir=self.plan_settings.spill_dir,
             )
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -191,6 +212,19 @@ class LazyTrainStrategy(Strategy):
             self.executor.wait_updates()
         return super().optimizer_state(optimizer)
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.plan_settings.kind() != "milp" or self.schedule_result is not None or self.executor is None:
+            return
+        ids = batch["input_ids"] if isinstance(batch, Mapping) else getattr(batch, "input_ids", None)
+        if ids is None:
+            raise ValueError("schedule='milp' plans for the batch shape: the batch must carry input_ids (B, T)")
+        batch_size, seq = ids.shape[0], ids.shape[-1]
+        self.schedule_result = solve_plan(self.plan_settings, self.executor, batch_size, seq)
+        self.executor.set_plan(plan_of(self.schedule_result), self.num_slots)
+        trainer = self.lightning_module.trainer
+        path = write_plan(self.schedule_result, trainer.log_dir or trainer.default_root_dir)
+        log.info("lazytrain: plan for batch %d x %d written to %s", batch_size, seq, path)
+
     def model_to_device(self) -> None:
         """Parameters stay on the host; the executor moves what a step needs."""
 
@@ -209,7 +243,10 @@ class LazyTrainStrategy(Strategy):
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.executor is not None:
             self.executor.after_optimizer_step()
-            self.last_step_stats = {**self.executor.take_stats(), "skipped_steps": float(self.skipped_steps)}
+            stats = {**self.executor.take_stats(), "skipped_steps": float(self.skipped_steps)}
+            if self.schedule_result is not None:
+                stats["predicted_exposed_s"] = float(self.schedule_result.predicted_exposed_seconds)
+            self.last_step_stats = stats
         return result
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -246,10 +283,3 @@ class LazyTrainStrategy(Strategy):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="Stream HF decoder layers from host memory")
-
-
-def _parse_schedule(schedule: str) -> int:
-    match = re.fullmatch(r"interval:(\d+)", schedule.strip())
-    if not match or int(match.group(1)) < 1:
-        raise ValueError(f"schedule={schedule!r} is not understood; use 'interval:K' with K >= 1 (e.g. 'interval:1')")
-    return int(match.group(1))

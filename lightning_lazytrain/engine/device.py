@@ -24,6 +24,8 @@ class DeviceQueues:
             self.d2h = torch.cuda.Stream(device)
         else:
             self.h2d = self.d2h = None
+        self._stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._stall_carry = 0.0
 
     def compute_stream(self) -> torch.cuda.Stream | None:
         return torch.cuda.current_stream(self.device) if self.is_cuda else None
@@ -37,9 +39,32 @@ class DeviceQueues:
         return event
 
     def wait(self, event: torch.cuda.Event | None, stream: torch.cuda.Stream | None = None) -> None:
-        """Make ``stream`` (default: the compute stream) wait for ``event`` without blocking the host."""
-        if event is not None:
-            (stream or self.compute_stream()).wait_event(event)
+        """Make ``stream`` (default: the compute stream) wait for ``event`` without blocking the host.
+
+        A wait of the compute stream is bracketed by timing events: the gap between them is the stall, the time
+        the GPU's compute sat idle waiting for a transfer.
+        """
+        if event is None:
+            return
+        if stream is not None:
+            stream.wait_event(event)
+            return
+        compute = self.compute_stream()
+        before = torch.cuda.Event(enable_timing=True)
+        before.record(compute)
+        compute.wait_event(event)
+        after = torch.cuda.Event(enable_timing=True)
+        after.record(compute)
+        self._stalls.append((before, after))
+        if len(self._stalls) > 4096:  # a long no-grad loop with nobody reading the stall: fold what is done
+            self._stall_carry += self.take_stall_seconds()
+
+    def take_stall_seconds(self) -> float:
+        """Seconds of compute-stream stall in the waits that completed since the last call (no device sync)."""
+        done = [pair for pair in self._stalls if pair[1].query()]
+        self._stalls = [pair for pair in self._stalls if not pair[1].query()]
+        carry, self._stall_carry = self._stall_carry, 0.0
+        return carry + sum(a.elapsed_time(b) for a, b in done) / 1e3
 
     @contextlib.contextmanager
     def on(self, stream: torch.cuda.Stream | None) -> Iterator[None]:

@@ -8,7 +8,9 @@ after each backward. With labels, the causal-LM forward routes the loss through 
 
 from __future__ import annotations
 
+import contextlib
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -19,6 +21,7 @@ from lightning_lazytrain.engine.binding import bound, leaves_of
 from lightning_lazytrain.engine.device import DeviceQueues
 from lightning_lazytrain.engine.direct_grads import DirectGradSink
 from lightning_lazytrain.engine.grads import GradSink
+from lightning_lazytrain.engine.homes import ActivationHomes
 from lightning_lazytrain.engine.loss import chunked_causal_lm_loss
 from lightning_lazytrain.engine.plan import StackPlan
 from lightning_lazytrain.engine.slots import SlotPool
@@ -46,30 +49,28 @@ class StreamingExecutor:
         pin_memory: bool = True,
         timeout_s: float = 600.0,
         loss_chunk_bytes: int = 1 << 29,
+        spill_dir: str | None = None,
     ) -> None:
-        if plan.num_layers != adapter.num_layers:
-            raise ValueError(f"the plan covers {plan.num_layers} layers but the model has {adapter.num_layers}")
         if getattr(adapter.lm_head, "bias", None) is not None:
             raise ValueError("lazytrain's chunked loss supports a bias-free lm_head only (all supported families)")
-        self.adapter, self.device, self.plan = adapter, device, plan
+        self.adapter, self.device = adapter, device
         self.prefetch_depth, self.loss_chunk_bytes = prefetch_depth, loss_chunk_bytes
+        self.spill_dir, self.timeout_s = spill_dir, timeout_s
         self.queues = DeviceQueues(device)
         self.layers: list[nn.Module] = list(adapter.layers)
         self.resident_modules = _resident_modules(adapter)
         groups = [("resident", self.resident_modules)] + [(f"layer.{j}", [m]) for j, m in enumerate(self.layers)]
         self.store = HostParamStore(groups, master_dtype, stream_dtype, pin=pin_memory and device.type == "cuda")
         self.resident_unit, self.layer_units = self.store.units[0], self.store.units[1:]
-        slot_numel = max(u.numel for u in self.layer_units)
-        slots = num_slots or plan.slots_needed(prefetch_depth)
-        if slots < plan.slots_needed(1):
-            raise ValueError(f"this plan needs at least {plan.slots_needed(1)} weight slots, got num_slots={slots}")
-        self._check_device_fits(slots, slot_numel, stream_dtype)
-        self.pool = SlotPool(self.queues, slots, slot_numel, stream_dtype)
+        self.slot_numel = max(u.numel for u in self.layer_units)
+        self.pool: SlotPool | None = None
+        self.homes: ActivationHomes | None = None
+        self.set_plan(plan, num_slots)
+        slot_numel, stream_dtype = self.slot_numel, self.store.stream_dtype
         self.sink: GradSink | DirectGradSink = GradSink(
             self.store, self.queues, slot_numel, stream_dtype, timeout_s=timeout_s
         )
         self.updates: UpdateQueue | None = None
-        self.timeout_s = timeout_s
         self._resident_buf = torch.empty(self.resident_unit.numel, dtype=stream_dtype, device=device)
         self._resident_leaves: list[torch.Tensor] | None = None
         self._resident_generation = -1
@@ -78,6 +79,32 @@ class StreamingExecutor:
         self._saved_buffers: list[tuple[nn.Module, str, torch.Tensor]] = []
         self._patched: list[tuple[nn.Module, bool]] = []
         self._install()
+
+    def set_plan(self, plan: StackPlan, num_slots: int | None = None) -> None:
+        """Adopt ``plan``: size the weight slot pool for it and open the activation homes it names."""
+        if plan.num_layers != self.adapter.num_layers:
+            raise ValueError(f"the plan covers {plan.num_layers} layers but the model has {self.adapter.num_layers}")
+        slots = num_slots or plan.slots_needed(self.prefetch_depth)
+        if slots < plan.slots_needed(1):
+            raise ValueError(f"this plan needs at least {plan.slots_needed(1)} weight slots, got num_slots={slots}")
+        if self.homes is not None:
+            self.homes.close()
+        self.plan = plan
+        if self.pool is None or len(self.pool.slots) != slots:
+            self.pool = None
+            self._check_device_fits(slots, self.slot_numel, self.store.stream_dtype)
+            self.pool = SlotPool(self.queues, slots, self.slot_numel, self.store.stream_dtype)
+        self.homes = ActivationHomes(self.queues, plan.homes, self.store.pinned, self.spill_dir, self.timeout_s)
+
+    @contextlib.contextmanager
+    def unhooked(self) -> Iterator[None]:
+        """The layers' own forwards, for code that copies or runs a layer itself (the profiler)."""
+        own = [(m, m.__dict__.pop("forward")) for m, _ in self._patched if "forward" in m.__dict__]
+        try:
+            yield
+        finally:
+            for module, forward in own:
+                module.forward = forward
 
     def _check_device_fits(self, slots: int, slot_numel: int, dtype: torch.dtype) -> None:
         if self.device.type != "cuda":
@@ -122,6 +149,8 @@ class StreamingExecutor:
         self._patched.clear()
         if self.updates is not None:
             self.updates.close()
+        if self.homes is not None:
+            self.homes.close()
         for module, name, buf in self._saved_buffers:
             module._buffers[name] = buf
         self._saved_buffers.clear()
@@ -203,7 +232,10 @@ class StreamingExecutor:
         now = (self.pool.h2d_copies, self.pool.h2d_bytes, self.sink.d2h_bytes)
         before, self._stats_mark = getattr(self, "_stats_mark", (0, 0, 0)), now
         copies, h2d, d2h = (a - b for a, b in zip(now, before))
-        return {"layer_h2d_copies": float(copies), "h2d_gib": h2d / 2**30, "d2h_gib": d2h / 2**30}
+        homes = self.homes.stats() if self.homes is not None else {}
+        return {"layer_h2d_copies": float(copies), "h2d_gib": h2d / 2**30, "d2h_gib": d2h / 2**30,
+                "stall_s": self.queues.take_stall_seconds(),
+                **{f"act_{k}": float(v) for k, v in homes.items() if k != "host_buffers"}}
 
     def head_weight(self) -> torch.Tensor:
         unit, head = self.resident_unit, self.adapter.lm_head

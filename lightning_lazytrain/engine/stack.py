@@ -43,7 +43,6 @@ class StackRun:
     executor: StreamingExecutor
     calls: list[LayerCall]
     autocast: tuple[bool, torch.dtype] = (False, torch.bfloat16)
-    boundaries: dict[int, torch.Tensor] = field(default_factory=dict)
     graphs: dict[int, _Graph] = field(default_factory=dict)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -67,12 +66,12 @@ class StackRun:
         ex, plan = self.executor, self.executor.plan
         order = list(range(len(self.calls)))
         prefetch = ex.prefetcher(order)
-        if training and plan.kept(0):
-            self.boundaries[0] = hidden
+        homes = ex.homes
+        if training and self._needed(0):
+            homes.put(0, hidden)
         x = hidden
         for j in order:
             slot = self._acquire(j)
-            prefetch(j + 1)
             if training and plan.keep_graph[j]:
                 with torch.enable_grad():
                     inputs = x.detach().requires_grad_()
@@ -83,9 +82,18 @@ class StackRun:
             else:
                 x = self._layer(j, x, slot.views(ex.layer_units[j]))
                 ex.pool.release(slot)
-            if training and plan.kept(j + 1) and j + 1 < len(order):
-                self.boundaries[j + 1] = x
+            # queue this layer's compute before possibly blocking on the next layer's optimizer update
+            prefetch(j + 1)
+            if training and self._needed(j + 1):
+                homes.put(j + 1, x)
+        if training:
+            homes.flush()
         return x
+
+    def _needed(self, boundary: int) -> bool:
+        """Boundary i is read back in the backward when it starts a block whose layer re-runs there."""
+        plan = self.executor.plan
+        return boundary < plan.num_layers and plan.kept(boundary) and not plan.keep_graph[boundary]
 
     def backward(self, grad: torch.Tensor) -> torch.Tensor:
         ex, plan = self.executor, self.executor.plan
@@ -93,19 +101,21 @@ class StackRun:
         order = [j for s, e in blocks for j in range(s, e)]
         prefetch = ex.prefetcher(order)
         cursor = 0
-        for s, e in blocks:
+        starts = [s for s, _ in blocks]
+        for k, (s, e) in enumerate(blocks):
             if e == s + 1 and s in self.graphs:
                 graph = self.graphs.pop(s)
                 cursor += 1
                 prefetch(cursor)
                 grad = self._backprop(s, graph.output, graph.inputs, graph.leaves, grad)
                 ex.pool.release(graph.slot)
-                self.boundaries.pop(s, None)
                 continue
             slots = [self._acquire(j) for j in range(s, e)]
             cursor += e - s
             prefetch(cursor)
-            inputs = [self.boundaries.pop(s)]
+            inputs = [ex.homes.get(s)]
+            if k + 1 < len(starts) and self._needed(starts[k + 1]):
+                ex.homes.prefetch(starts[k + 1])
             with torch.no_grad(), self._autocast():
                 for j in range(s, e - 1):
                     inputs.append(self._layer(j, inputs[-1], slots[j - s].views(ex.layer_units[j])))
@@ -118,6 +128,7 @@ class StackRun:
                 grad = self._backprop(j, out, x, leaves, grad)
                 ex.pool.release(slots[j - s])
                 prefetch(cursor)
+        ex.homes.clear()
         return grad
 
     def _backprop(self, j: int, out: torch.Tensor, x: torch.Tensor, leaves: list[torch.Tensor], grad: torch.Tensor):

@@ -1,0 +1,113 @@
+"""From the ``schedule=`` argument to a ``StackPlan``: a fixed interval, a JSON plan, or the MILP solved here.
+
+The MILP needs the batch shape, so ``"milp"`` is solved at the first training batch: profile the layers (cached per
+machine and shape), build the problem with the budgets, solve with HiGHS, write the plan as JSON beside the logs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from lightning_lazytrain.engine import StackPlan, StreamingExecutor
+from lightning_lazytrain.schedule import Schedule, build_problem, profile_model, solve
+
+log = logging.getLogger(__name__)
+GIB = 2**30
+
+
+@dataclass
+class PlanSettings:
+    schedule: str = "interval:1"
+    keep_graph_layers: int = 0
+    gpu_activation_gib: float | None = None
+    cpu_activation_gib: float | None = None
+    nvme_activation_gib: float | None = None
+    spill_dir: str | None = None
+    max_recompute_span: int = 4
+    solver_time_limit: float = 10.0
+    solver_mip_gap: float = 0.01
+
+    def kind(self) -> str:
+        if re.fullmatch(r"interval:\d+", self.schedule.strip()):
+            return "interval"
+        if self.schedule == "milp":
+            return "milp"
+        if self.schedule.endswith(".json"):
+            return "json"
+        raise ValueError(
+            f"schedule={self.schedule!r} is not understood; use 'interval:K' (K >= 1), 'milp', or a path to a plan"
+            " JSON written by lightning_lazytrain.schedule.Schedule.to_json()"
+        )
+
+
+def initial_plan(settings: PlanSettings, num_layers: int) -> StackPlan:
+    """The plan to start with: final for interval and JSON plans, a placeholder until the MILP is solved."""
+    kind = settings.kind()
+    if kind == "interval":
+        k = int(settings.schedule.split(":")[1])
+        if k < 1:
+            raise ValueError(f"schedule={settings.schedule!r}: the interval must be >= 1")
+        return StackPlan.every(num_layers, k, settings.keep_graph_layers)
+    if kind == "json":
+        with open(settings.schedule) as f:
+            schedule = Schedule.from_json(f.read())
+        if schedule.num_layers != num_layers:
+            raise ValueError(f"the plan in {settings.schedule} is for {schedule.num_layers} layers, the model has"
+                             f" {num_layers}")
+        return plan_of(schedule)
+    return StackPlan.every(num_layers, 1, 0)
+
+
+def plan_of(schedule: Schedule) -> StackPlan:
+    return StackPlan(tuple(schedule.tiers), tuple(schedule.keep_graph))
+
+
+def solve_plan(settings: PlanSettings, executor: StreamingExecutor, batch: int, seq: int) -> Schedule:
+    """Profile, build and solve the MILP for this batch shape on this machine."""
+    with executor.unhooked():
+        profile = profile_model(executor.adapter, batch, seq, executor.device, executor.store.stream_dtype,
+                                spill_dir=settings.spill_dir)
+    gpu, cpu, nvme = budgets(settings, executor)
+    problem = build_problem(profile, gpu, cpu, nvme, max_recompute_span=settings.max_recompute_span)
+    schedule = solve(problem, time_limit=settings.solver_time_limit, mip_gap=settings.solver_mip_gap)
+    log.info("lazytrain plan: %s, predicted exposed %.3f s", schedule.counts(), schedule.predicted_exposed_seconds)
+    return schedule
+
+
+def budgets(settings: PlanSettings, executor: StreamingExecutor) -> tuple[int, int, int]:
+    """Activation budgets in bytes: what the user set, else half the free device memory left after the weight
+    slots (the other half is the working set of the layer being run), a quarter of the available host RAM, and
+    80% of the spill dir's free space."""
+    if settings.gpu_activation_gib is not None:
+        gpu = int(settings.gpu_activation_gib * GIB)
+    elif executor.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(executor.device)
+        gpu = int(free * 0.5)
+    else:
+        gpu = int(psutil.virtual_memory().available * 0.25)
+    cpu = int(settings.cpu_activation_gib * GIB) if settings.cpu_activation_gib is not None else int(
+        psutil.virtual_memory().available * 0.25)
+    if settings.spill_dir is None:
+        nvme = 0
+    elif settings.nvme_activation_gib is not None:
+        nvme = int(settings.nvme_activation_gib * GIB)
+    else:
+        nvme = int(shutil.disk_usage(settings.spill_dir).free * 0.8)
+    return gpu, cpu, nvme
+
+
+def write_plan(schedule: Schedule, directory: str) -> str:
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, "lazytrain_plan.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(schedule.to_json())
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,67 @@
+"""Plans with CPU, NVMe and recompute homes train exactly like the all-GPU plan; MILP and JSON plans run."""
+
+import json
+import os
+
+import pytest
+from helpers import batches, rel_diff, tiny_model, train
+
+import lightning_lazytrain  # noqa: F401
+from lightning_lazytrain import LazyTrainStrategy
+from lightning_lazytrain.schedule import Schedule
+
+
+def _plan_file(tmp_path, tiers):
+    path = tmp_path / "plan.json"
+    path.write_text(Schedule(tiers=tiers, objective=0.0, predicted_exposed_seconds=0.0, status="given").to_json())
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "tiers",
+    [["gpu", "cpu", "nvme", "recompute", "gpu"], ["gpu", "nvme", "nvme", "cpu", "gpu"],
+     ["gpu", "recompute", "cpu", "recompute", "gpu"]],
+    ids=["mixed", "spill-heavy", "recompute-blocks"],
+)
+def test_cpu_nvme_recompute_homes_match_all_gpu(tmp_path, tiers):
+    model, data = tiny_model("qwen2"), batches(3, padded=True)
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    ref, _ = train(model, data, strategy=LazyTrainStrategy(schedule="interval:1"))
+    plan = _plan_file(tmp_path, tiers)
+    lt, trainer = train(model, data, strategy=LazyTrainStrategy(schedule=plan, spill_dir=str(spill)))
+    assert rel_diff(lt.model, ref.model) <= 1e-6
+    stats = trainer.strategy.last_step_stats
+    if "cpu" in tiers:
+        assert stats["act_offload_bytes"] > 0
+    if "nvme" in tiers:
+        assert stats["act_nvme_write_bytes"] > 0 and stats["act_nvme_read_bytes"] > 0
+    assert os.listdir(spill) == [], "spill files and the run's folder are gone after teardown"
+
+
+def test_nvme_plan_without_spill_dir_is_refused(tmp_path):
+    plan = _plan_file(tmp_path, ["gpu", "nvme", "gpu", "gpu", "gpu"])
+    with pytest.raises(ValueError, match="spill_dir"):
+        train(tiny_model("qwen2"), batches(1), strategy=LazyTrainStrategy(schedule=plan), max_steps=1)
+
+
+def test_plan_for_another_depth_is_refused(tmp_path):
+    plan = _plan_file(tmp_path, ["gpu", "gpu", "gpu"])
+    with pytest.raises(ValueError, match="2 layers"):
+        train(tiny_model("qwen2"), batches(1), strategy=LazyTrainStrategy(schedule=plan), max_steps=1)
+
+
+def test_milp_plan_solved_at_first_batch_written_and_trains_like_all_gpu(tmp_path):
+    model, data = tiny_model("qwen3"), batches(3)
+    ref, _ = train(model, data, strategy=LazyTrainStrategy(schedule="interval:1"))
+    # budgets that cannot hold every boundary on the GPU force a mixed plan
+    act = 2 * 16 * 64 * 4
+    strategy = LazyTrainStrategy(schedule="milp", gpu_activation_gib=2.5 * act / 2**30,
+                                 cpu_activation_gib=1.0 * act / 2**30, solver_time_limit=5.0)
+    lt, trainer = train(model, data, strategy=strategy, default_root_dir=str(tmp_path))
+    plan = json.loads((tmp_path / "lazytrain_plan.json").read_text())
+    tiers = plan["tiers"]
+    assert len(tiers) == 5 and tiers[0] == tiers[-1] == "gpu"
+    assert set(tiers[1:-1]) != {"gpu"}, tiers
+    assert "predicted_exposed_s" in trainer.strategy.last_step_stats
+    assert rel_diff(lt.model, ref.model) <= 1e-6
