@@ -24,8 +24,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results/scale_h200.json")
     parser.add_argument("--cap-gib", type=float, default=80.0)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--skip-14b", action="store_true")
     args = parser.parse_args()
     total = torch.cuda.get_device_properties(0).total_memory
@@ -38,8 +38,8 @@ def main() -> None:
     fpt = model_flops_per_token(cfg, num_params, seq)
     variants = [  # batch, name, optimizer, strategy kwargs
         (16, "lazytrain-graph8", "hybrid1", {"keep_graph_layers": 8}),
-        (32, "lazytrain", "hybrid1", {}),
         (32, "lazytrain-graph4", "hybrid1", {"keep_graph_layers": 4}),
+        (32, "lazytrain-milp", "hybrid1", {"schedule": "milp", "gpu_activation_gib": 20.0, "cpu_activation_gib": 16.0}),
         (32, "lazytrain-interval4-after-backward", "hybrid1", {"schedule": "interval:4", "overlap_updates": False}),
     ]
     for batch, name, opt, skw in variants:
