@@ -211,6 +211,8 @@ class HybridAdamW(Optimizer):
         copy = self._stream_copies.get(p)
         eight = "exp_avg_codes" in st
         block = st["block_size"] if eight else _FP32_CHUNK
+        scalars = dict(copy=copy, block=block, decay=decay, beta1=beta1, beta2=beta2, neg_step=neg_step,
+                       bc2_sqrt=bc2_sqrt, eps=eps, grad_scale=clip_coef, sr_key=sr_key)
         if self._use_kernel and p.device.type == "cpu" and p.is_contiguous():
             if g.device.type != "cpu":
                 raise ValueError("a CPU parameter needs a CPU gradient")
@@ -223,34 +225,11 @@ class HybridAdamW(Optimizer):
                 vq=st.get("exp_avg_sq_codes"),
                 mabs=st.get("exp_avg_absmax"),
                 vabs=st.get("exp_avg_sq_absmax"),
-                copy=copy,
-                block=block,
-                decay=decay,
-                beta1=beta1,
-                beta2=beta2,
-                neg_step=neg_step,
-                bc2_sqrt=bc2_sqrt,
-                eps=eps,
-                grad_scale=clip_coef,
-                sr_key=sr_key,
                 nthreads=self.num_threads or torch.get_num_threads(),
+                **scalars,
             )
         else:
-            reference_step(
-                param=p,
-                grad=g.to(p.device),
-                state=st,
-                copy=copy,
-                block=block,
-                decay=decay,
-                beta1=beta1,
-                beta2=beta2,
-                neg_step=neg_step,
-                bc2_sqrt=bc2_sqrt,
-                eps=eps,
-                grad_scale=clip_coef,
-                sr_key=sr_key,
-            )
+            reference_step(param=p, grad=g.to(p.device), state=st, **scalars)
 
     # ----------------------------------------------------------------- checkpoint
     def load_state_dict(self, state_dict: dict) -> None:
