@@ -173,3 +173,13 @@ def write_results(path: str, payload: dict) -> None:
     with open(tmp, "w") as f:
         json.dump(payload, f, indent=2)
     os.replace(tmp, path)
+
+
+def print_table(rows: list[dict], columns: list[tuple[str, str, str]], width: int = 40) -> None:
+    """The short table a benchmark prints last: ``columns`` are (key, header, format spec)."""
+    print(f"{'run':{width}} " + " ".join(f"{header:>9}" for _, header, _ in columns))
+    for r in rows:
+        if r.get("status") == "ok":
+            print(f"{r['variant']:{width}} " + " ".join(f"{r[key]:>9{spec}}" for key, _, spec in columns))
+        else:
+            print(f"{r['variant']:{width}} {r.get('status')}")

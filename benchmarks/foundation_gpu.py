@@ -19,6 +19,7 @@ from common import (
     StepTimer,
     host_peak_gib,
     model_flops_per_token,
+    print_table,
     qwen_config,
     random_model,
     run_fit,
@@ -104,13 +105,9 @@ def main() -> None:
                 }
     write_results(args.out, {"shape": args.shape, "batch": args.batch, "seq": args.seq, "num_params": num_params,
                              "runs": rows, "checks": checks})
-    print(f"{'variant':24} {'step s':>8} {'fwd+bwd s':>10} {'opt s':>7} {'GPU GiB':>8} {'TFLOPS':>7}")
-    for r in rows:
-        if r["status"] == "ok":
-            print(f"{r['variant']:24} {r['step_s']:8.3f} {r['fwd_bwd_s']:10.3f} {r['optimizer_s']:7.3f} "
-                  f"{r['gpu_peak_gib']:8.1f} {r['model_tflops']:7.1f}")
-        else:
-            print(f"{r['variant']:24} {r['status']}")
+    print_table(rows, [("step_s", "step s", ".3f"), ("fwd_bwd_s", "fwd+bwd s", ".3f"),
+                       ("optimizer_s", "opt s", ".3f"), ("gpu_peak_gib", "GPU GiB", ".1f"),
+                       ("model_tflops", "TFLOPS", ".1f")], width=32)
     for name, c in checks.items():
         print(name, {k: round(v, 3) if v is not None else None for k, v in c.items()})
 

@@ -13,7 +13,15 @@ import argparse
 import gc
 
 import torch
-from common import BenchModule, RandomTokens, model_flops_per_token, qwen_config, random_model, write_results
+from common import (
+    BenchModule,
+    RandomTokens,
+    model_flops_per_token,
+    print_table,
+    qwen_config,
+    random_model,
+    write_results,
+)
 from foundation_gpu import measure
 
 import lightning_lazytrain  # noqa: F401
@@ -62,13 +70,8 @@ def main() -> None:
                       "bf16-true", data, 1, 8 * seq, model_flops_per_token(cfg, n14, seq), gradient_clip_val=1.0)
         rows.append({**row, "model": "qwen2.5-14b", "batch": 8, "num_params": n14})
     write_results(args.out, {"seq": seq, "runs": rows})
-    print(f"{'run':48} {'step s':>7} {'fwd+bwd':>8} {'GPU GiB':>8} {'host GiB':>8} {'TFLOPS':>7}")
-    for r in rows:
-        if r["status"] == "ok":
-            print(f"{r['variant']:48} {r['step_s']:7.2f} {r['fwd_bwd_s']:8.2f} {r['gpu_peak_gib']:8.1f} "
-                  f"{r['host_rss_max_gib']:8.1f} {r['model_tflops']:7.1f}")
-        else:
-            print(f"{r['variant']:48} {r['status']}")
+    print_table(rows, [("step_s", "step s", ".2f"), ("fwd_bwd_s", "fwd+bwd", ".2f"), ("gpu_peak_gib", "GPU GiB", ".1f"),
+                       ("host_rss_max_gib", "host GiB", ".1f"), ("model_tflops", "TFLOPS", ".1f")], width=48)
 
 
 if __name__ == "__main__":
