@@ -233,8 +233,11 @@ class StreamingExecutor:
         before, self._stats_mark = getattr(self, "_stats_mark", (0, 0, 0)), now
         copies, h2d, d2h = (a - b for a, b in zip(now, before))
         homes = self.homes.stats() if self.homes is not None else {}
+        waited = sum(u.update_wait_seconds for u in self.store.units)
+        for unit in self.store.units:
+            unit.update_wait_seconds = 0.0
         return {"layer_h2d_copies": float(copies), "h2d_gib": h2d / 2**30, "d2h_gib": d2h / 2**30,
-                "stall_s": self.queues.take_stall_seconds(),
+                "stall_s": self.queues.take_stall_seconds(), "update_wait_s": waited,
                 **{f"act_{k}": float(v) for k, v in homes.items() if k != "host_buffers"}}
 
     def head_weight(self) -> torch.Tensor:

@@ -9,6 +9,7 @@ has the compute dtype the master itself is pinned and streamed.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -49,12 +50,20 @@ class ParamUnit:
     grad_refs: list | None = None
     has_grads: bool = False
     pending_update: Future | None = None
+    update_wait_seconds: float = 0.0
 
     def await_update(self, timeout_s: float = 600.0) -> None:
-        """Block until an optimizer update of this unit that runs on a worker thread has finished."""
+        """Block until an optimizer update of this unit that runs on a worker thread has finished.
+
+        The time blocked is what the next step could not hide of the CPU optimizer (``update_wait_seconds``).
+        """
         future, self.pending_update = self.pending_update, None
-        if future is not None:
+        if future is not None and not future.done():
+            start = time.perf_counter()
             future.result(timeout=timeout_s)
+            self.update_wait_seconds += time.perf_counter() - start
+        elif future is not None:
+            future.result()
 
     def refresh_stream(self) -> None:
         """Bring the streamed copy up to date with the masters (a cast, or nothing when they are one buffer)."""
