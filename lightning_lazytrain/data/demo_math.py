@@ -2,8 +2,9 @@
 
 Each row is ``{"query": ..., "response": ...}`` and every response ends with ``The answer is: X`` like MetaMathQA's,
 so the same answer extraction and exact-match metric serve the demo and the real runs. The problems are easy on
-purpose (one-digit operands, one operation): a two-layer model learns them in a couple of CPU minutes, which makes
-"exact match rises well above the untrained model's" something the demo can show.
+purpose (one operation, a one-digit number and a second operand of 1-4: about 80 distinct facts): a two-layer model
+learns them in a couple of CPU minutes, which makes "exact match rises well above the untrained model's" something
+the demo can show.
 
 Regenerate the shipped file with ``python -m lightning_lazytrain.data.demo_math``.
 """
@@ -22,17 +23,17 @@ _ITEMS = ("apples", "pens", "books", "coins", "cards", "shells", "stones", "cups
 
 
 def _add(rng: random.Random) -> dict[str, str]:
-    a, b = rng.randint(0, 9), rng.randint(0, 9)
+    a, b = rng.randint(0, 9), rng.randint(1, 4)
     name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
-    query = f"{name} has {a} {item} and gets {b} more. How many {item} does {name} have now?"
+    query = f"{name} has {a} {item} and gets {b} more. How many {item} now?"
     return {"query": query, "response": f"{a} + {b} = {a + b}. The answer is: {a + b}"}
 
 
 def _sub(rng: random.Random) -> dict[str, str]:
-    a = rng.randint(1, 18)
-    b = rng.randint(0, min(a, 9))
+    a = rng.randint(1, 9)
+    b = rng.randint(1, min(a, 4))
     name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
-    query = f"{name} has {a} {item} and gives away {b}. How many {item} are left?"
+    query = f"{name} has {a} {item} and gives {b} away. How many are left?"
     return {"query": query, "response": f"{a} - {b} = {a - b}. The answer is: {a - b}"}
 
 
