@@ -27,11 +27,11 @@ def test_label_mask_covers_exactly_the_response(tok, tmp_path):
     assert skipped == 0
     prompt = "<|im_start|>user\nWhat is 3 + 4?<|im_end|>\n<|im_start|>assistant\n"
     n_prompt = len(tok(prompt).input_ids)
-    assert ex.prompt_ids == tok(prompt).input_ids
-    assert ex.labels[:n_prompt] == [IGNORE_INDEX] * n_prompt
-    assert all(lab != IGNORE_INDEX for lab in ex.labels[n_prompt:])
-    assert tok.decode(ex.labels[n_prompt:]) == "3 + 4 = 7. The answer is: 7<|im_end|>\n"
-    assert tok.decode(ex.input_ids) == prompt + "3 + 4 = 7. The answer is: 7<|im_end|>\n"
+    assert ex.prompt_ids.tolist() == tok(prompt).input_ids
+    assert ex.labels[:n_prompt].tolist() == [IGNORE_INDEX] * n_prompt
+    assert (ex.labels[n_prompt:] != IGNORE_INDEX).all()
+    assert tok.decode(ex.labels[n_prompt:].tolist()) == "3 + 4 = 7. The answer is: 7<|im_end|>\n"
+    assert tok.decode(ex.input_ids.tolist()) == prompt + "3 + 4 = 7. The answer is: 7<|im_end|>\n"
     assert ex.answer == "7"
 
 
@@ -40,7 +40,7 @@ def test_truncation_keeps_labels_or_skips_and_counts(tok, tmp_path):
     records = read_records(_write_jsonl(tmp_path / "d.jsonl", rows))
     examples, skipped = tokenize_records(tok, records, max_seq_length=20)
     assert skipped == 1 and len(examples) == 1
-    assert len(examples[0].input_ids) == 20 and any(lab != IGNORE_INDEX for lab in examples[0].labels)
+    assert len(examples[0].input_ids) == 20 and (examples[0].labels != IGNORE_INDEX).any()
 
 
 def test_datamodule_warns_on_skipped(tmp_path):
@@ -124,8 +124,8 @@ def test_packing_never_splits_a_sample():
     exs = [Example([i] * n, [IGNORE_INDEX] + [i] * (n - 1), [], None) for i, n in enumerate([3, 4, 2, 5])]
     packed = pack_examples(exs, 7)
     assert [len(p.input_ids) for p in packed] == [7, 7]
-    assert [t for p in packed for t in p.input_ids] == [t for e in exs for t in e.input_ids]
-    assert [t for p in packed for t in p.labels] == [t for e in exs for t in e.labels]
+    assert [t for p in packed for t in p.input_ids.tolist()] == [t for e in exs for t in e.input_ids]
+    assert [t for p in packed for t in p.labels.tolist()] == [t for e in exs for t in e.labels]
 
 
 def test_demo_datamodule_end_to_end():

@@ -27,11 +27,15 @@ DEMO_DATA = "demo"
 
 @dataclass
 class Example:
-    """One tokenized sample. ``prompt_ids`` (the prompt up to the opened assistant turn) drives generation."""
+    """One tokenized sample. ``prompt_ids`` (the prompt up to the opened assistant turn) drives generation.
 
-    input_ids: list[int]
-    labels: list[int]
-    prompt_ids: list[int]
+    Token sequences are int32 tensors (lists are accepted too): a 400k-row set as Python int lists would take
+    ~10 GB of host RAM that the offloaded model states need.
+    """
+
+    input_ids: Sequence[int] | torch.Tensor
+    labels: Sequence[int] | torch.Tensor
+    prompt_ids: Sequence[int] | torch.Tensor
     answer: str | None
 
 
@@ -61,26 +65,30 @@ def tokenize_records(
     records: Sequence[Record],
     max_seq_length: int,
     system_prompt: str | None = None,
+    chunk_size: int = 4096,
 ) -> tuple[list[Example], int]:
     """Tokenize with labels only on the completion; returns (examples, number skipped for having no label left).
 
     Over-long samples are cut at ``max_seq_length`` from the end (the response tail goes first). A sample whose
-    prompt alone fills the budget would train on nothing, so it is dropped and counted instead.
+    prompt alone fills the budget would train on nothing, so it is dropped and counted instead. Records are
+    tokenized in chunks so the tokenizer's Python lists never hold the whole set at once.
     """
-    if not records:
-        return [], 0
-    pairs = [render(tok, r.prompt, r.response, system_prompt) for r in records]
-    prompts = tok([p for p, _ in pairs], add_special_tokens=False)["input_ids"]
-    completions = tok([c for _, c in pairs], add_special_tokens=False)["input_ids"]
     examples: list[Example] = []
     skipped = 0
-    for rec, p_ids, c_ids in zip(records, prompts, completions, strict=True):
-        ids = (p_ids + c_ids)[:max_seq_length]
-        labels = ([IGNORE_INDEX] * len(p_ids) + c_ids)[:max_seq_length]
-        if all(lab == IGNORE_INDEX for lab in labels):
-            skipped += 1
-            continue
-        examples.append(Example(ids, labels, list(p_ids), reference_answer(rec.response)))
+    for start in range(0, len(records), chunk_size):
+        chunk = records[start : start + chunk_size]
+        pairs = [render(tok, r.prompt, r.response, system_prompt) for r in chunk]
+        prompts = tok([p for p, _ in pairs], add_special_tokens=False)["input_ids"]
+        completions = tok([c for _, c in pairs], add_special_tokens=False)["input_ids"]
+        for rec, p_ids, c_ids in zip(chunk, prompts, completions, strict=True):
+            n_prompt = len(p_ids)
+            if n_prompt >= max_seq_length or not c_ids:
+                skipped += 1
+                continue
+            ids = torch.tensor((p_ids + c_ids)[:max_seq_length], dtype=torch.int32)
+            labels = ids.clone()
+            labels[:n_prompt] = IGNORE_INDEX
+            examples.append(Example(ids, labels, ids[:n_prompt], reference_answer(rec.response)))
     return examples, skipped
 
 
@@ -103,16 +111,22 @@ def pack_examples(examples: Sequence[Example], max_seq_length: int) -> list[Exam
     samples of a row (plain causal mask), the usual trade for not wasting compute on padding.
     """
     packed: list[Example] = []
-    ids: list[int] = []
-    labels: list[int] = []
+    row: list[Example] = []
+    length = 0
+
+    def flush() -> None:
+        ids = torch.cat([torch.as_tensor(e.input_ids, dtype=torch.int32) for e in row])
+        labels = torch.cat([torch.as_tensor(e.labels, dtype=torch.int32) for e in row])
+        packed.append(Example(ids, labels, ids[:0], None))
+
     for ex in examples:
-        if ids and len(ids) + len(ex.input_ids) > max_seq_length:
-            packed.append(Example(ids, labels, [], None))
-            ids, labels = [], []
-        ids = ids + ex.input_ids
-        labels = labels + ex.labels
-    if ids:
-        packed.append(Example(ids, labels, [], None))
+        if row and length + len(ex.input_ids) > max_seq_length:
+            flush()
+            row, length = [], 0
+        row.append(ex)
+        length += len(ex.input_ids)
+    if row:
+        flush()
     return packed
 
 
@@ -150,8 +164,8 @@ class SFTCollator:
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for row, e in enumerate(batch):
             n = len(e.input_ids)
-            ids[row, :n] = torch.tensor(e.input_ids)
-            labels[row, :n] = torch.tensor(e.labels)
+            ids[row, :n] = torch.as_tensor(e.input_ids)
+            labels[row, :n] = torch.as_tensor(e.labels)
             mask[row, :n] = 1
         out: dict[str, object] = {"input_ids": ids, "attention_mask": mask, "labels": labels}
         if self.generation:
@@ -160,7 +174,7 @@ class SFTCollator:
             gmask = torch.zeros((len(batch), pwidth), dtype=torch.long)
             for row, e in enumerate(batch):
                 n = len(e.prompt_ids)
-                gen[row, pwidth - n :] = torch.tensor(e.prompt_ids)
+                gen[row, pwidth - n :] = torch.as_tensor(e.prompt_ids)
                 gmask[row, pwidth - n :] = 1
             out["gen_input_ids"], out["gen_attention_mask"] = gen, gmask
             out["answers"] = [e.answer or "" for e in batch]
