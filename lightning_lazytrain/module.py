@@ -83,9 +83,11 @@ def build_model(
         local = os.path.exists(os.path.expanduser(model_config))
         config = AutoConfig.from_pretrained(os.path.expanduser(model_config) if local else model_config,
                                             trust_remote_code=trust_remote_code, local_files_only=local)
-    model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, **attn)
     target = _torch_dtype(dtype)
-    if isinstance(target, torch.dtype):
+    # build directly in the target dtype: a 14B model built in fp32 and then cast would need 1.5x its bytes at once
+    kwargs = {"dtype": target} if isinstance(target, torch.dtype) else {}
+    model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, **attn, **kwargs)
+    if isinstance(target, torch.dtype) and model.dtype != target:
         model = model.to(target)
     return model
 
