@@ -30,12 +30,42 @@ DEMO_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "demo.yaml"
 _SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
 
+def keep_freed_memory_in_heap() -> bool:
+    """Make glibc keep freed blocks in the heap instead of unmapping them (CPU runs only).
+
+    A CPU step allocates and frees the B x T x vocab logits (hundreds of MB) several times; by default glibc maps
+    and unmaps such blocks each time, and the page faults on re-touching them cost ~40% of the demo's step time.
+    Turning off mmap for large blocks and never trimming keeps them mapped. Not for GPU runs: a streaming strategy
+    wants host memory it frees to go back to the OS. Returns whether it could be applied (glibc only).
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not sys.platform.startswith("linux") or not name:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        m_trim_threshold, m_mmap_max = -1, -4  # glibc's mallopt parameter numbers
+        return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+    except (OSError, AttributeError):
+        return False
+
+
 class LazyTrainCLI(LightningCLI):
-    """LightningCLI plus ``--export_dir``: write an HF directory of the trained model when ``fit`` ends."""
+    """LightningCLI plus ``--export_dir`` (an HF directory of the trained model when ``fit`` ends) and
+    ``--cpu_heap_cache`` (see :func:`keep_freed_memory_in_heap`)."""
 
     def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001 - jsonargparse's parser type
         parser.add_argument("--export_dir", type=str | None, default=None,
                             help="after fit, save the model + tokenizer here as an HF directory (safetensors)")
+        parser.add_argument("--cpu_heap_cache", type=bool, default=True,
+                            help="with trainer.accelerator=cpu, keep freed memory in the heap (faster CPU steps)")
+
+    def before_instantiate_classes(self) -> None:
+        cfg = self.config[self.subcommand] if self.subcommand else self.config
+        if cfg.get("cpu_heap_cache") and cfg.get("trainer", {}).get("accelerator") == "cpu":
+            keep_freed_memory_in_heap()
 
     def after_fit(self) -> None:
         export_dir = self.config[self.subcommand].get("export_dir")
