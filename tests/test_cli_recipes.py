@@ -56,6 +56,7 @@ def test_demo_runs_a_few_steps_and_exports(tmp_path):
         "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(tmp_path),
         "--data.max_eval_samples", "8", "--data.eval_batch_size", "8",
         "--model.max_generate_samples", "8", "--model.max_new_tokens", "4", "--export_dir", str(export),
+        "--cpu_heap_cache", "false",  # a process-wide malloc setting: keep it out of the shared pytest process
     ])
     (metrics_file,) = tmp_path.rglob("metrics.csv")
     rows = list(csv.DictReader(metrics_file.open()))
