@@ -1,0 +1,22 @@
+"""SFT data: tokenizer, record formats, the datamodule, answer extraction, the demo arithmetic set."""
+
+from lightning_lazytrain.data.answers import answers_match, extract_answer, normalize_answer
+from lightning_lazytrain.data.formats import DataFormatError, FieldMap, Record, read_records
+from lightning_lazytrain.data.sft import IGNORE_INDEX, Example, SFTCollator, SFTDataModule, split_indices
+from lightning_lazytrain.data.tokenizer import load_tokenizer
+
+__all__ = [
+    "IGNORE_INDEX",
+    "DataFormatError",
+    "Example",
+    "FieldMap",
+    "Record",
+    "SFTCollator",
+    "SFTDataModule",
+    "answers_match",
+    "extract_answer",
+    "load_tokenizer",
+    "normalize_answer",
+    "read_records",
+    "split_indices",
+]

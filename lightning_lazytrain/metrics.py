@@ -1,0 +1,123 @@
+"""Throughput and memory metrics per training step, logged through the Trainer's logger.
+
+Conventions (so numbers compare with REFERENCE.md and the papers):
+
+* ``perf/tokens_per_s``: non-padding tokens of the batch / step time.
+* ``perf/model_tflops``: ``(6 * N + 12 * layers * hidden * seq) * batch * seq / step_time / 1e12`` with ``N`` all
+  model parameters (embeddings included) and ``batch * seq`` the padded tokens the model computes on. ``6N`` counts
+  forward (2N) and backward (4N) matmuls; the second term is causal-free attention scores + values for fwd+bwd.
+  This is the "model FLOPs" convention: recomputation is not counted.
+* ``perf/executed_tflops``: model TFLOPS times the strategy's ``executed_flops_factor`` (e.g. > 1 when it re-runs
+  forwards for recomputation); equal to model TFLOPS when the strategy does not expose one.
+* ``perf/step_s``: wall time between consecutive step ends (includes data loading and the optimizer); the first
+  step is timed from its own start. No device synchronisation is forced: the loss readback already waits.
+* ``mem/gpu_peak_gib`` (CUDA only, peak since the previous step), ``mem/host_rss_gib``.
+* ``engine/<key>``: every numeric entry of the strategy's ``last_step_stats`` dict, e.g. the measured stall.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+
+def host_rss_bytes() -> int:
+    """Resident set size of this process (psutil when installed, else /proc, else the peak from getrusage)."""
+    try:
+        import psutil
+
+        return int(psutil.Process(os.getpid()).memory_info().rss)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def model_flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int) -> float:
+    """Training FLOPs per token: ``6N + 12 * layers * hidden * seq`` (the convention of REFERENCE.md)."""
+    return 6.0 * num_params + 12.0 * num_layers * hidden * seq_len
+
+
+def _find_hf_model(pl_module: pl.LightningModule) -> torch.nn.Module:
+    return getattr(pl_module, "model", pl_module)
+
+
+class ThroughputMetrics(pl.Callback):
+    """Logs tokens/s, model and executed TFLOPS, GPU peak memory, host RSS and the engine's step stats per step.
+
+    Args:
+        log_every_n_steps: log one step in this many (metrics are cheap; the logger may not be).
+    """
+
+    def __init__(self, log_every_n_steps: int = 1) -> None:
+        self.every = max(1, log_every_n_steps)
+        self._start: float | None = None
+        self._last_end: float | None = None
+        self._num_params = 0
+        self._layers = 0
+        self._hidden = 0
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        model = _find_hf_model(pl_module)
+        # count once: parameters do not change during fit (and a streaming strategy may hide them later)
+        self._num_params = sum(p.numel() for p in model.parameters())
+        cfg = getattr(model, "config", None)
+        text = getattr(cfg, "text_config", None) or cfg
+        self._layers = int(getattr(text, "num_hidden_layers", 0) or 0)
+        self._hidden = int(getattr(text, "hidden_size", 0) or 0)
+        self._last_end = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._start = time.perf_counter()
+        if torch.cuda.is_available() and pl_module.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        now = time.perf_counter()
+        begin = self._last_end if self._last_end is not None else self._start
+        self._last_end = now
+        if begin is None or batch_idx % self.every:
+            return
+        step_s = max(now - begin, 1e-9)
+        metrics = self.step_metrics(trainer, pl_module, batch, step_s)
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+
+    def step_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                     step_s: float) -> dict[str, float]:
+        """The numbers for one step that took ``step_s`` seconds (public so tests and benchmarks can reuse it)."""
+        ids = batch["input_ids"] if isinstance(batch, dict) else batch[0]
+        b, seq = int(ids.shape[0]), int(ids.shape[-1])
+        mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+        real_tokens = int(mask.sum()) if mask is not None else b * seq
+        flops = model_flops_per_token(self._num_params, self._layers, self._hidden, seq) * b * seq
+        model_tflops = flops / step_s / 1e12
+        factor = getattr(trainer.strategy, "executed_flops_factor", None)
+        factor = factor() if callable(factor) else factor
+        out = {
+            "perf/step_s": step_s,
+            "perf/tokens_per_s": real_tokens / step_s,
+            "perf/model_tflops": model_tflops,
+            "perf/executed_tflops": model_tflops * float(factor if factor is not None else 1.0),
+            "mem/host_rss_gib": host_rss_bytes() / 2**30,
+        }
+        if torch.cuda.is_available() and pl_module.device.type == "cuda":
+            out["mem/gpu_peak_gib"] = torch.cuda.max_memory_allocated(pl_module.device) / 2**30
+        stats = getattr(trainer.strategy, "last_step_stats", None)
+        if isinstance(stats, dict):
+            for key, value in stats.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    out[f"engine/{key}"] = float(value)
+                elif isinstance(value, torch.Tensor) and value.numel() == 1:
+                    out[f"engine/{key}"] = float(value.item())
+        return out

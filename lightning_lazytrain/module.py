@@ -1,0 +1,264 @@
+"""`CausalLMModule`: the recipe LightningModule — an HF causal LM, AdamW + warm-up/cosine, exact-match validation.
+
+It follows the contract the lazytrain strategy relies on: the module holds one ``transformers.PreTrainedModel`` as
+``self.model``, the loss comes from ``self.model(input_ids=..., attention_mask=..., labels=...).loss`` and generation
+goes through ``self.model.generate``; it never reaches into the decoder layers, so any Lightning strategy runs it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+
+from lightning_lazytrain.data.answers import answers_match
+from lightning_lazytrain.data.sft import IGNORE_INDEX
+from lightning_lazytrain.data.tokenizer import end_of_turn_id, load_tokenizer
+
+DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+
+# Published shapes of the recipe models, for random-init runs where no weights can be downloaded (the H200 image):
+# `model_config: qwen2.5-3b` builds the real architecture with random weights.
+NAMED_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen2.5-3b": dict(model_type="qwen2", hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                       num_attention_heads=16, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+                       rope_theta=1e6, max_position_embeddings=32768, rms_norm_eps=1e-6),
+    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False,
+                       rope_theta=1e6, max_position_embeddings=32768, rms_norm_eps=1e-6),
+    "qwen2.5-14b": dict(model_type="qwen2", hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
+                        num_attention_heads=40, num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False,
+                        rope_theta=1e6, max_position_embeddings=32768, rms_norm_eps=1e-5),
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     tie_word_embeddings=False, rope_theta=1e6, max_position_embeddings=40960, rms_norm_eps=1e-6),
+    # REFERENCE.md's 27B text shape; the linear-attention widths are transformers' Qwen3.5 defaults (25.4 B params
+    # with them vs the paper's 23.68 B: check against the checkpoint's config.json before comparing numbers)
+    "qwen3.6-27b": dict(model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                        num_attention_heads=24, num_key_value_heads=4, head_dim=256, vocab_size=248320),
+}
+
+
+def _torch_dtype(name: str | None) -> torch.dtype | str | None:
+    if name is None or name == "auto":
+        return name
+    return getattr(torch, name)
+
+
+def build_model(
+    pretrained: str | None = None,
+    model_config: dict[str, Any] | str | None = None,
+    dtype: str | None = None,
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = "sdpa",
+) -> PreTrainedModel:
+    """An HF causal LM from weights (hub name or local dir) or, for random-init runs, from a config.
+
+    ``model_config`` is a dict with ``model_type`` and config fields, a name in :data:`NAMED_SHAPES`, or a config
+    path/hub name. Local paths are read with ``local_files_only`` so nothing is fetched.
+    """
+    if (pretrained is None) == (model_config is None):
+        raise ValueError("give exactly one of `pretrained` (weights) or `model_config` (random init)")
+    attn = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    if pretrained is not None:
+        local = os.path.isdir(os.path.expanduser(pretrained))
+        path = os.path.expanduser(pretrained) if local else pretrained
+        return AutoModelForCausalLM.from_pretrained(
+            path, dtype=_torch_dtype(dtype) or "auto", trust_remote_code=trust_remote_code,
+            local_files_only=local, **attn,
+        )
+    if isinstance(model_config, str) and model_config.lower() in NAMED_SHAPES:
+        model_config = dict(NAMED_SHAPES[model_config.lower()])
+    if isinstance(model_config, dict):
+        fields = dict(model_config)
+        if "model_type" not in fields:
+            raise ValueError(f"model_config needs a 'model_type' (e.g. 'qwen2'); got keys {sorted(fields)}")
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    else:
+        local = os.path.exists(os.path.expanduser(model_config))
+        config = AutoConfig.from_pretrained(os.path.expanduser(model_config) if local else model_config,
+                                            trust_remote_code=trust_remote_code, local_files_only=local)
+    target = _torch_dtype(dtype)
+    # build directly in the target dtype: a 14B model built in fp32 and then cast would need 1.5x its bytes at once
+    kwargs = {"dtype": target} if isinstance(target, torch.dtype) else {}
+    model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, **attn, **kwargs)
+    if isinstance(target, torch.dtype) and model.dtype != target:
+        model = model.to(target)
+    return model
+
+
+def _import_class(path: str) -> type:
+    module, _, name = path.rpartition(".")
+    if not module:
+        raise ValueError(f"optimizer must be a dotted class path such as 'torch.optim.AdamW', got {path!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """LR multiplier: linear warm-up from ~0 to 1 over ``warmup_steps``, then cosine down to ``min_lr_ratio``."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class CausalLMModule(pl.LightningModule):
+    """Supervised fine-tuning of one HF causal LM, with held-out exact match of greedy answers.
+
+    Args:
+        pretrained: hub name or local directory of weights (``from_pretrained``).
+        model_config: for a random-init run instead: a config dict with ``model_type``, a name from
+            :data:`NAMED_SHAPES`, or a config path.
+        tokenizer: tokenizer name/path used when the datamodule provides none (``None``: the offline Qwen one).
+        dtype: parameter dtype at load (``"auto"`` keeps the checkpoint's). Mixed precision is the Trainer's job.
+        optimizer: dotted class path of a ``torch.optim.Optimizer`` taking ``lr``/``betas``/``eps``/``weight_decay``.
+        optimizer_kwargs: extra keyword arguments for it (e.g. ``eight_bit_fraction`` for ``HybridAdamW``).
+        warmup_steps / warmup_ratio: linear warm-up length in optimizer steps, or as a share of the whole run.
+        min_lr_ratio: cosine floor as a fraction of ``lr``; ``scheduler="constant"`` keeps ``lr`` after warm-up.
+        max_new_tokens: generation cap per held-out prompt; ``max_generate_samples`` caps prompts per evaluation
+            (``0`` turns generation off, leaving loss and token accuracy).
+    """
+
+    def __init__(
+        self,
+        pretrained: str | None = None,
+        model_config: dict[str, Any] | str | None = None,
+        tokenizer: str | None = None,
+        dtype: DTypeName | None = None,
+        trust_remote_code: bool = False,
+        attn_implementation: str | None = "sdpa",
+        optimizer: str = "torch.optim.AdamW",
+        optimizer_kwargs: dict[str, Any] | None = None,
+        lr: float = 1e-5,
+        weight_decay: float = 0.01,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        scheduler: Literal["cosine", "constant"] = "cosine",
+        warmup_steps: int = 0,
+        warmup_ratio: float = 0.0,
+        min_lr_ratio: float = 0.0,
+        max_new_tokens: int = 64,
+        max_generate_samples: int | None = 128,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model: PreTrainedModel = build_model(pretrained, model_config, dtype, trust_remote_code,
+                                                  attn_implementation)
+        self._tokenizer: PreTrainedTokenizerBase | None = None
+        self._generated = 0
+
+    # -- tokenizer: the datamodule's when there is one, so data and generation agree --------------------------------
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        if self._tokenizer is None:
+            dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+            tok = getattr(dm, "tokenizer", None)
+            if tok is None:
+                tok = load_tokenizer(self.hparams.tokenizer or self._local_tokenizer_path())
+            self._tokenizer = tok
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tok: PreTrainedTokenizerBase) -> None:
+        self._tokenizer = tok
+
+    def _local_tokenizer_path(self) -> str | None:
+        path = self.hparams.pretrained
+        if path and os.path.isfile(os.path.join(os.path.expanduser(path), "tokenizer_config.json")):
+            return path
+        return None
+
+    def setup(self, stage: str) -> None:
+        vocab = self.model.get_input_embeddings().num_embeddings
+        if len(self.tokenizer) > vocab:
+            raise ValueError(f"tokenizer has {len(self.tokenizer)} tokens but the model's embedding only {vocab}; "
+                             "set model_config.vocab_size to at least the tokenizer length")
+
+    # -- training -----------------------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> Any:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        loss = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                          labels=batch["labels"]).loss
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        return loss
+
+    # -- evaluation ---------------------------------------------------------------------------------------------------
+    def on_validation_epoch_start(self) -> None:
+        self._generated = 0
+
+    on_test_epoch_start = on_validation_epoch_start
+
+    def _eval_step(self, batch: dict[str, Any], prefix: str) -> None:
+        n = batch["input_ids"].shape[0]
+        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+        self.log(f"{prefix}/loss", out.loss, prog_bar=True, batch_size=n)
+        logits = getattr(out, "logits", None)
+        if logits is not None:  # a streaming strategy may fuse the head into the loss and return no logits
+            # teacher-forced accuracy on response tokens: position t predicts token t+1
+            pred, gold = logits[:, :-1].argmax(-1), batch["labels"][:, 1:]
+            keep = gold != IGNORE_INDEX
+            if keep.any():
+                acc = (pred[keep] == gold[keep]).float().mean()
+                self.log(f"{prefix}/token_acc", acc, batch_size=int(keep.sum()))
+        cap = self.hparams.max_generate_samples
+        room = n if cap is None else min(n, cap - self._generated)
+        if room > 0 and "gen_input_ids" in batch:
+            texts = self.generate_answers(batch["gen_input_ids"][:room], batch["gen_attention_mask"][:room])
+            hits = [answers_match(t, ref) for t, ref in zip(texts, batch["answers"][:room], strict=True)]
+            self._generated += room
+            self.log(f"{prefix}/exact_match", sum(hits) / room, prog_bar=True, batch_size=room)
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self._eval_step(batch, "val")
+
+    def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self._eval_step(batch, "test")
+
+    def predict_step(self, batch: dict[str, Any], batch_idx: int) -> list[dict[str, Any]]:
+        texts = self.generate_answers(batch["gen_input_ids"], batch["gen_attention_mask"])
+        return [{"generated": t, "reference": r, "match": answers_match(t, r)}
+                for t, r in zip(texts, batch["answers"], strict=True)]
+
+    @torch.no_grad()
+    def generate_answers(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[str]:
+        """Greedy, batched, left-padded generation of at most ``max_new_tokens``; returns the decoded new text."""
+        tok = self.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else end_of_turn_id(tok)
+        out = self.model.generate(
+            input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=self.hparams.max_new_tokens,
+            do_sample=False, eos_token_id=end_of_turn_id(tok), pad_token_id=pad, use_cache=True,
+        )
+        return tok.batch_decode(out[:, input_ids.shape[1]:], skip_special_tokens=True)
+
+    # -- optimizer ----------------------------------------------------------------------------------------------------
+    def _param_groups(self) -> list[dict[str, Any]]:
+        # the usual AdamW convention: no weight decay on biases and norm scales (1-D tensors)
+        decay, no_decay = [], []
+        for p in self.model.parameters():
+            if p.requires_grad:
+                (decay if p.ndim >= 2 else no_decay).append(p)
+        groups = [{"params": decay, "weight_decay": self.hparams.weight_decay}]
+        if no_decay:
+            groups.append({"params": no_decay, "weight_decay": 0.0})
+        return groups
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        cls = _import_class(hp.optimizer)
+        opt = cls(self._param_groups(), lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, weight_decay=hp.weight_decay,
+                  **(hp.optimizer_kwargs or {}))
+        total = int(self.trainer.estimated_stepping_batches) if self._trainer is not None else 1
+        total = total if 0 < total < 2**62 else 1  # max_steps=-1 with no epoch limit reports inf
+        warmup = hp.warmup_steps or int(hp.warmup_ratio * total)
+        floor = 1.0 if hp.scheduler == "constant" else hp.min_lr_ratio
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, warmup, total, floor))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "name": "lr"}}
