@@ -7,7 +7,6 @@ runs the CPU demo from a source checkout.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -19,11 +18,6 @@ import lightning_lazytrain  # noqa: F401
 from lightning_lazytrain.data.sft import SFTDataModule
 from lightning_lazytrain.export import export_hf
 from lightning_lazytrain.module import CausalLMModule
-
-# The strategy lives in its own room; until it is merged the package may not register it. Import it only when it
-# exists, so a real ImportError inside it is not swallowed.
-if importlib.util.find_spec("lightning_lazytrain.strategy") is not None:
-    import lightning_lazytrain.strategy  # noqa: F401
 
 #: the recipe used when no --config is given (present in a source checkout; recipes/ sits at the repo root)
 DEMO_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "demo.yaml"

@@ -202,7 +202,11 @@ class CausalLMModule(pl.LightningModule):
         out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
         self.log(f"{prefix}/loss", out.loss, prog_bar=True, batch_size=n)
         logits = getattr(out, "logits", None)
-        if logits is not None:  # a streaming strategy may fuse the head into the loss and return no logits
+        streamed_acc = getattr(out, "token_accuracy", None)
+        if streamed_acc is not None:  # lazytrain fuses the head into the loss and reports the accuracy itself
+            keep = batch["labels"][:, 1:] != IGNORE_INDEX
+            self.log(f"{prefix}/token_acc", streamed_acc, batch_size=int(keep.sum()))
+        elif logits is not None:
             # teacher-forced accuracy on response tokens: position t predicts token t+1
             pred, gold = logits[:, :-1].argmax(-1), batch["labels"][:, 1:]
             keep = gold != IGNORE_INDEX

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import types
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from lightning_lazytrain.engine.device import DeviceQueues
 from lightning_lazytrain.engine.direct_grads import DirectGradSink
 from lightning_lazytrain.engine.grads import GradSink
 from lightning_lazytrain.engine.homes import ActivationHomes
-from lightning_lazytrain.engine.loss import chunked_causal_lm_loss
+from lightning_lazytrain.engine.loss import chunked_causal_lm_loss, chunked_token_accuracy
 from lightning_lazytrain.engine.plan import StackPlan
 from lightning_lazytrain.engine.slots import SlotPool
 from lightning_lazytrain.engine.stack import LayerCall, StackRun, StreamedStack, make_prefetcher
@@ -30,6 +31,13 @@ from lightning_lazytrain.engine.store import HostParamStore
 from lightning_lazytrain.engine.updates import UpdateQueue
 from lightning_lazytrain.models import ModelAdapter
 from lightning_lazytrain.optim import NonFiniteGuard, clip_coefficient
+
+
+@dataclass
+class StreamedCausalLMOutput(CausalLMOutputWithPast):
+    """The loss without logits (they never exist); in no-grad passes also the teacher-forced token accuracy."""
+
+    token_accuracy: torch.Tensor | None = None
 
 
 class DeviceTooSmallError(RuntimeError):
@@ -293,9 +301,11 @@ def _causal_lm_forward(executor: StreamingExecutor):
         out = executor.adapter.decoder(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **kwargs
         )
-        loss = chunked_causal_lm_loss(
-            out.last_hidden_state, executor.head_weight(), labels, num_items, executor.loss_chunk_bytes
-        )
-        return CausalLMOutputWithPast(loss=loss, logits=None)
+        hidden, weight = out.last_hidden_state, executor.head_weight()
+        loss = chunked_causal_lm_loss(hidden, weight, labels, num_items, executor.loss_chunk_bytes)
+        accuracy = None
+        if not torch.is_grad_enabled():
+            accuracy = chunked_token_accuracy(hidden, weight, labels, executor.loss_chunk_bytes)
+        return StreamedCausalLMOutput(loss=loss, logits=None, token_accuracy=accuracy)
 
     return forward

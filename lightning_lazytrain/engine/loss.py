@@ -53,6 +53,25 @@ def _logits(h: torch.Tensor, weight: torch.Tensor, autocast_dtype: torch.dtype |
     return (h @ weight.t()).float()
 
 
+@torch.no_grad()
+def chunked_token_accuracy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_bytes: int = 1 << 29
+) -> torch.Tensor:
+    """Teacher-forced next-token accuracy over the labelled positions, through the head in chunks (no logits kept)."""
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
+    rows = (shifted != IGNORE_INDEX).nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return torch.zeros((), device=hidden.device)
+    flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
+    targets = shifted.index_select(0, rows)
+    chunk_rows = max(1, chunk_bytes // (4 * weight.shape[0]))
+    correct = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, flat.shape[0], chunk_rows):
+        pred = (flat[start : start + chunk_rows] @ weight.to(flat.dtype).t()).argmax(-1)
+        correct += (pred == targets[start : start + chunk_rows]).sum()
+    return correct / rows.numel()
+
+
 def chunked_causal_lm_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
