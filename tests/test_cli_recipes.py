@@ -3,14 +3,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_lazytrain.cli import DEMO_RECIPE, _with_default_config, main
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
 GPU_RECIPES = ["qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b", "qwen3-8b", "qwen3.6-27b"]
-# the lazytrain strategy is registered once the strategy room is merged; until then run the demo with "auto"
-STRATEGY = "lazytrain" if "lazytrain" in StrategyRegistry else "auto"
+STRATEGY = "lazytrain"
 
 
 @pytest.fixture(autouse=True)
@@ -29,7 +27,12 @@ def test_recipe_parses(recipe, capsys):
         main(["fit", "--config", str(recipe), "--print_config"])
     assert exit_info.value.code in (0, None)
     cfg = yaml.safe_load(capsys.readouterr().out)
-    assert cfg["trainer"]["strategy"] == "lazytrain"
+    strategy = cfg["trainer"]["strategy"]
+    if recipe.stem == "demo":
+        assert strategy == "lazytrain"
+    else:
+        assert strategy["class_path"] == "lightning_lazytrain.LazyTrainStrategy"
+        assert strategy["init_args"]["schedule"] == "milp"
     assert cfg["seed_everything"] == 42
     if recipe.stem != "demo":
         # the paper's hyper-parameters
