@@ -2,14 +2,13 @@
  *
  * One pass per block of elements: read the gradient (fp32 or bf16, times the clip coefficient), read the moments
  * (fp32, or 8-bit codes + block absmax), update them, update the parameter (fp32, or bf16 with stochastic
- * rounding), write the optional bf16 streaming copy, re-quantize the moments. Blocks are spread over pthreads
+ * rounding), write the optional bf16 streaming copy, re-quantize the moments. Blocks are spread over OpenMP
  * threads; the inner loops are plain arrays so the compiler vectorizes them (-O3 -march=native).
  * The arithmetic follows torch.optim.AdamW's single-tensor path operation by operation (fp contraction is off
  * at build time; explicit fmaf only where torch's vectorized lerp and addcmul use one), so fp32 mode matches torch to rounding.
  * Plain C with a ctypes entry point: no torch headers, so building takes about a second.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,41 +41,6 @@ static float g_code[2][256], g_thr[2][256];
  * the 8-bit step on Zen 4. */
 static float g_lev[2][8][128] __attribute__((aligned(64)));
 
-static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-
-/* Direct encoder: the float's top 16 bits (sign, exponent, 7 mantissa bits) select one of 2 * LT_M buckets
- * (monotone in x; magnitudes below 2^-24 share the first, those of 2 and above the last). The dynamic map is
- * coarse enough that no bucket holds more than one decision threshold (checked when the tables are set), so one
- * 32-bit entry per bucket gives the exact nearest code: bits 0-7 = code of the bucket's smallest value, bits
- * 16-31 = low 16 bits of the threshold inside the bucket (it shares the top 16 with the bucket), and the code is
- * one more where x lies above that threshold, an integer compare of the low 16 bits (reversed for negatives).
- * Buckets without a threshold get 0xffff (positive) or 0 (negative), which no x lies above. One gather per 16
- * values instead of the 8-level binary search. */
-#define LT_K 7
-#define LT_EBASE (127 - 24)
-#define LT_M (26 << LT_K)
-static uint32_t g_ent[2][2 * LT_M] __attribute__((aligned(64)));
-static int g_direct[2];
-
-static inline int lt_bucket(uint32_t u) {
-    int32_t mag = (int32_t)((u & 0x7fffffffu) >> (23 - LT_K)) - (LT_EBASE << LT_K);
-    mag = mag < 0 ? 0 : (mag > LT_M - 1 ? LT_M - 1 : mag);
-    return (u >> 31) ? LT_M - 1 - mag : LT_M + mag;
-}
-
-static inline uint8_t encode(int which, float x);
-
-/* Smallest and largest non-NaN float of bucket b. */
-static void lt_bucket_range(int b, float *lo, float *hi) {
-    const int neg = b < LT_M;
-    const int32_t mag = neg ? LT_M - 1 - b : b - LT_M;
-    const uint32_t a0 = mag == 0 ? 0u : (uint32_t)(mag + (LT_EBASE << LT_K)) << (23 - LT_K);
-    const uint32_t a1 = mag == LT_M - 1 ? 0x7f800000u : ((uint32_t)(mag + 1 + (LT_EBASE << LT_K)) << (23 - LT_K)) - 1u;
-    if (neg) { *lo = u2f(a1 | 0x80000000u); *hi = u2f(a0 | 0x80000000u); }
-    else { *lo = u2f(a0); *hi = u2f(a1); }
-}
-
 /* Tables: index 0 = signed map (first moment), 1 = unsigned map (second moment); thr[255] must be +inf. */
 void lt_set_tables(const float *code_s, const float *thr_s, const float *code_u, const float *thr_u) {
     memcpy(g_code[0], code_s, sizeof(g_code[0]));
@@ -88,28 +52,10 @@ void lt_set_tables(const float *code_s, const float *thr_s, const float *code_u,
             const int step = 128 >> j;
             for (int k = 0; k < (1 << j); k++) g_lev[w][j][k] = g_thr[w][k * 2 * step + step - 1];
         }
-    for (int w = 0; w < 2; w++) {
-        int ok = 1;
-        for (int j = 0; j < 255; j++) ok &= g_thr[w][j] <= g_thr[w][j + 1];
-        ok &= isinf(g_thr[w][255]) && g_thr[w][255] > 0;
-        for (int b = 0; b < 2 * LT_M && ok; b++) {
-            float lo, hi;
-            lt_bucket_range(b, &lo, &hi);
-            const int c = encode(w, lo), ch = encode(w, hi), neg = b < LT_M;
-            const int clamped = b == 0 || b == LT_M - 1 || b == LT_M || b == 2 * LT_M - 1;
-            uint32_t low = neg ? 0u : 0xffffu;
-            if (ch == c + 1 && !clamped) { /* one threshold, thr[c], with lo < thr[c] < hi */
-                const uint32_t t = f2u(g_thr[w][c]);
-                ok &= (t >> 16) == (f2u(lo) >> 16) && g_thr[w][c] >= lo && g_thr[w][c] < hi;
-                low = t & 0xffffu;
-            } else {
-                ok &= ch == c;
-            }
-            g_ent[w][b] = (uint32_t)c | (low << 16);
-        }
-        g_direct[w] = ok;
-    }
 }
+
+static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
 static inline uint16_t bf16_rne(float f) {
     uint32_t u = f2u(f);
@@ -164,37 +110,6 @@ static inline __m128i encode16(int w, __m512 x) {
     }
     return _mm512_cvtepi32_epi8(c);
 }
-
-/* g_code[w][idx] for 16 codes by permutes (gathers are slow on Zen 4): 8 two-table permutes, then a blend tree. */
-static inline __m512 decode16(int w, __m512i idx) {
-    const float *t = g_code[w];
-    __m512 r[8];
-    for (int q = 0; q < 8; q++) r[q] = _mm512_permutex2var_ps(_mm512_loadu_ps(t + 32 * q), idx, _mm512_loadu_ps(t + 32 * q + 16));
-    const __mmask16 b5 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32));
-    const __mmask16 b6 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(64));
-    const __mmask16 b7 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(128));
-    const __m512 s0 = _mm512_mask_blend_ps(b5, r[0], r[1]), s1 = _mm512_mask_blend_ps(b5, r[2], r[3]);
-    const __m512 s2 = _mm512_mask_blend_ps(b5, r[4], r[5]), s3 = _mm512_mask_blend_ps(b5, r[6], r[7]);
-    return _mm512_mask_blend_ps(b7, _mm512_mask_blend_ps(b6, s0, s1), _mm512_mask_blend_ps(b6, s2, s3));
-}
-
-static inline __m128i encode16_direct(int w, __m512 x) {
-    const __m512i u = _mm512_castps_si512(x);
-    __m512i mag = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), 23 - LT_K),
-                                   _mm512_set1_epi32(LT_EBASE << LT_K));
-    mag = _mm512_min_epi32(_mm512_max_epi32(mag, _mm512_setzero_si512()), _mm512_set1_epi32(LT_M - 1));
-    const __mmask16 neg = _mm512_movepi32_mask(u);
-    const __m512i b = _mm512_mask_sub_epi32(_mm512_add_epi32(mag, _mm512_set1_epi32(LT_M)), neg,
-                                            _mm512_set1_epi32(LT_M - 1), mag);
-    const __m512i e = _mm512_i32gather_epi32(b, (const void *)g_ent[w], 4);
-    const __m512i cnt = _mm512_and_si512(e, _mm512_set1_epi32(0xff));
-    const __m512i tl = _mm512_srli_epi32(e, 16);
-    const __m512i xl = _mm512_and_si512(u, _mm512_set1_epi32(0xffff));
-    const __mmask16 up = _mm512_mask_cmpgt_epu32_mask((__mmask16)~neg, xl, tl) | _mm512_mask_cmplt_epu32_mask(neg, xl, tl);
-    __m512i c = _mm512_mask_add_epi32(cnt, up, cnt, _mm512_set1_epi32(1));
-    c = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), c);
-    return _mm512_cvtepi32_epi8(c);
-}
 #endif
 
 /* The update proper, reading the big arrays in place: streaming all of them side by side keeps the hardware
@@ -220,17 +135,7 @@ static void do_block(const lt_args *a, int64_t s, int64_t len, float *restrict s
     if (a->mq) {
         const float am = a->mabs[blk], av = a->vabs[blk];
         const uint8_t *mq = a->mq + s, *vq = a->vq + s;
-        int64_t i = 0;
-#ifdef __AVX512F__
-        const __m512 vam = _mm512_set1_ps(am), vav = _mm512_set1_ps(av);
-        for (; i + 16 <= len; i += 16) {
-            const __m512i im = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mq + i)));
-            const __m512i iv = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(vq + i)));
-            _mm512_storeu_ps(m + i, _mm512_mul_ps(decode16(0, im), vam));
-            _mm512_storeu_ps(v + i, _mm512_mul_ps(decode16(1, iv), vav));
-        }
-#endif
-        for (; i < len; i++) {
+        for (int64_t i = 0; i < len; i++) {
             m[i] = g_code[0][mq[i]] * am;
             v[i] = g_code[1][vq[i]] * av;
         }
@@ -286,16 +191,9 @@ static void do_block(const lt_args *a, int64_t s, int64_t len, float *restrict s
         i0 = 0;
 #ifdef __AVX512F__
         const __m512 vim = _mm512_set1_ps(im), viv = _mm512_set1_ps(iv);
-        if (g_direct[0] && g_direct[1]) {
-            for (; i0 + 16 <= len; i0 += 16) {
-                _mm_storeu_si128((__m128i *)(mq + i0), encode16_direct(0, _mm512_mul_ps(_mm512_loadu_ps(m + i0), vim)));
-                _mm_storeu_si128((__m128i *)(vq + i0), encode16_direct(1, _mm512_mul_ps(_mm512_loadu_ps(v + i0), viv)));
-            }
-        } else {
-            for (; i0 + 16 <= len; i0 += 16) {
-                _mm_storeu_si128((__m128i *)(mq + i0), encode16(0, _mm512_mul_ps(_mm512_loadu_ps(m + i0), vim)));
-                _mm_storeu_si128((__m128i *)(vq + i0), encode16(1, _mm512_mul_ps(_mm512_loadu_ps(v + i0), viv)));
-            }
+        for (; i0 + 16 <= len; i0 += 16) {
+            _mm_storeu_si128((__m128i *)(mq + i0), encode16(0, _mm512_mul_ps(_mm512_loadu_ps(m + i0), vim)));
+            _mm_storeu_si128((__m128i *)(vq + i0), encode16(1, _mm512_mul_ps(_mm512_loadu_ps(v + i0), viv)));
         }
 #endif
         for (int64_t i = i0; i < len; i++) {
@@ -305,61 +203,27 @@ static void do_block(const lt_args *a, int64_t s, int64_t len, float *restrict s
     }
 }
 
-/* Threads are plain pthreads started per call, not OpenMP: a second OpenMP runtime next to torch's bundled one
- * leaves one pool's workers spinning on cores the other needs (2 threads ran slower than 1 on a 2-core VM);
- * starting a thread costs microseconds against milliseconds of work per tensor. Blocks are split into equal
- * contiguous ranges (each block's result depends only on its own data, so the split never changes results). */
-typedef struct {
-    const lt_args *a;
-    int64_t b0, b1;
-    int failed;
-} lt_job;
-
-static void *lt_worker(void *arg) {
-    lt_job *j = (lt_job *)arg;
-    const lt_args *a = j->a;
-    const int64_t bs = a->block;
-    if (j->b0 >= j->b1) return NULL;
-    float *scratch = (float *)aligned_alloc(64, (size_t)(((bs * 8 + 63) / 64) * 64));
-    if (!scratch) {
-        j->failed = 1;
-        return NULL;
-    }
-    for (int64_t b = j->b0; b < j->b1; b++) {
-        const int64_t s = b * bs;
-        const int64_t len = (s + bs <= a->n) ? bs : a->n - s;
-        do_block(a, s, len, scratch, scratch + bs);
-    }
-    free(scratch);
-    return NULL;
-}
-
-#define LT_MAX_THREADS 256
-
 /* Returns 0 on success, 1 if scratch memory could not be allocated. */
 int lt_adamw_step(const lt_args *a) {
     const int64_t bs = a->block;
     const int64_t nblk = (a->n + bs - 1) / bs;
     int nt = a->nthreads > 0 ? a->nthreads : 1;
-    if (nt > LT_MAX_THREADS) nt = LT_MAX_THREADS;
     if (nblk < nt) nt = (int)(nblk > 0 ? nblk : 1);
-    lt_job jobs[LT_MAX_THREADS];
-    pthread_t tid[LT_MAX_THREADS];
-    int started[LT_MAX_THREADS];
-    for (int t = 0; t < nt; t++) {
-        jobs[t].a = a;
-        jobs[t].b0 = nblk * t / nt;
-        jobs[t].b1 = nblk * (t + 1) / nt;
-        jobs[t].failed = 0;
-        started[t] = 0;
-    }
-    for (int t = 1; t < nt; t++) started[t] = pthread_create(&tid[t], NULL, lt_worker, &jobs[t]) == 0;
-    lt_worker(&jobs[0]);
-    for (int t = 1; t < nt; t++) {
-        if (started[t]) pthread_join(tid[t], NULL);
-        else lt_worker(&jobs[t]); /* could not start a thread: do its share here */
-    }
     int failed = 0;
-    for (int t = 0; t < nt; t++) failed |= jobs[t].failed;
+#pragma omp parallel num_threads(nt) reduction(| : failed)
+    {
+        float *scratch = (float *)aligned_alloc(64, (size_t)(((bs * 8 + 63) / 64) * 64));
+        if (!scratch) {
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < nblk; b++) {
+            if (!scratch) continue;
+            const int64_t s = b * bs;
+            const int64_t len = (s + bs <= a->n) ? bs : a->n - s;
+            do_block(a, s, len, scratch, scratch + bs);
+        }
+        free(scratch);
+    }
     return failed;
 }

@@ -1,6 +1,6 @@
-"""Build (once, cached) and call the fused C/pthreads AdamW kernel through ctypes.
+"""Build (once, cached) and call the fused C/OpenMP AdamW kernel through ctypes.
 
-The kernel is plain C (``_adamw_kernel.c``), not a torch extension: it needs only a C compiler (with pthreads) at run
+The kernel is plain C (``_adamw_kernel.c``), not a torch extension: it needs only a C compiler with OpenMP at run
 time (gcc or clang; no ninja, no torch headers) and builds in about a second. The shared object is cached under
 ``$LAZYTRAIN_CACHE`` (default ``~/.cache/lightning_lazytrain``) keyed by a hash of the source, the flags, the
 compiler and the CPU's flags, so each machine builds its own ``-march=native`` copy once. ctypes drops the GIL
@@ -27,14 +27,14 @@ from .quant import quant_tables
 __all__ = ["KernelUnavailable", "load_kernel", "kernel_available", "LtArgs"]
 
 _SRC = Path(__file__).with_name("_adamw_kernel.c")
-_FLAGS = ["-O3", "-march=native", "-pthread", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _error: str | None = None
 
 
 class KernelUnavailable(RuntimeError):
-    """The fused CPU kernel could not be built or loaded (no C compiler, ...)."""
+    """The fused CPU kernel could not be built or loaded (no C compiler, no OpenMP, ...)."""
 
 
 class LtArgs(ctypes.Structure):
@@ -98,7 +98,7 @@ def _build(cc: str) -> Path:
     print(f"[lightning_lazytrain] building the fused CPU AdamW kernel with {cc} -> {out}", file=sys.stderr)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         tmp_out = Path(tmp) / out.name
-        proc = subprocess.run([cc, *_FLAGS, str(_SRC), "-o", str(tmp_out), "-lm", "-lpthread"], capture_output=True, text=True)
+        proc = subprocess.run([cc, *_FLAGS, str(_SRC), "-o", str(tmp_out), "-lm"], capture_output=True, text=True)
         if proc.returncode != 0:
             raise KernelUnavailable(f"building the fused CPU AdamW kernel failed ({cc}):\n{proc.stderr[-4000:]}")
         os.replace(tmp_out, out)  # atomic: concurrent builders never load a half-written file
@@ -118,7 +118,7 @@ def load_kernel() -> ctypes.CDLL:
             if cc is None:
                 raise KernelUnavailable(
                     "no C compiler found (tried $CC, gcc, cc, clang): the fused CPU AdamW kernel needs one with "
-                    "pthreads, e.g. `apt-get install gcc`; HybridAdamW(use_kernel=False) uses the slow torch path"
+                    "OpenMP, e.g. `apt-get install gcc`; HybridAdamW(use_kernel=False) uses the slow torch path"
                 )
             lib = ctypes.CDLL(str(_build(cc)))
         except KernelUnavailable as e:
