@@ -55,6 +55,8 @@ class LazyTrainCLI(LightningCLI):
                             help="after fit, save the model + tokenizer here as an HF directory (safetensors)")
         parser.add_argument("--cpu_heap_cache", type=bool, default=True,
                             help="with trainer.accelerator=cpu, keep freed memory in the heap (faster CPU steps)")
+        # one tokenizer setting for data and generation (and one value in the logged hparams of both)
+        parser.link_arguments("data.tokenizer", "model.tokenizer")
 
     def before_instantiate_classes(self) -> None:
         cfg = self.config[self.subcommand] if self.subcommand else self.config
