@@ -21,6 +21,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from lightning_lazytrain.engine import StreamingExecutor
+from lightning_lazytrain.memory import admission
 from lightning_lazytrain.models import adapter_for
 from lightning_lazytrain.optim import NonFiniteGuard
 from lightning_lazytrain.planner import PlanSettings, initial_plan, plan_of, solve_plan, write_plan
@@ -182,6 +183,9 @@ class LazyTrainStrategy(Strategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self._maybe_direct_updates(trainer)
+            report = admission(self.executor, self.optimizers[0] if self.optimizers else None, precision.precision)
+            report.check()
+            log.info("lazytrain admission:\n%s", report.table())
         self.setup_precision_plugin()
 
     def _maybe_direct_updates(self, trainer: pl.Trainer) -> None:

@@ -1,0 +1,65 @@
+"""Admission control at setup: what the run will still allocate on the host, against what the machine has.
+
+The model's parameters are already in host RAM when the strategy sees them, so the check counts every piece of the
+run (masters, streamed copy, gradients, optimizer states) as the need and adds what the run already holds to the
+available RAM as the have: a torch optimizer that allocates its states lazily at step 1 is refused here, before the
+kernel's OOM killer would end the run there.
+"""
+
+from __future__ import annotations
+
+import psutil
+import torch
+
+from lightning_lazytrain.engine import StreamingExecutor
+from lightning_lazytrain.schedule import AdmissionReport, admission_report
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def optimizer_state_bytes_per_param(optimizer: torch.optim.Optimizer | None, trainable: int) -> tuple[float, int]:
+    """(bytes per parameter its states will take, bytes they already take)."""
+    if optimizer is None or trainable == 0:
+        return 0.0, 0
+    held = sum(_tensor_bytes(state.values()) for state in optimizer.state.values())
+    if hasattr(optimizer, "state_bytes"):
+        return optimizer.state_bytes() / trainable, held
+    if held:
+        return held / trainable, held
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return 8.0, 0
+    if isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum", 0) for g in optimizer.param_groups):
+        return 4.0, 0
+    return 0.0, 0
+
+
+def admission(executor: StreamingExecutor, optimizer: torch.optim.Optimizer | None, precision: str) -> AdmissionReport:
+    store = executor.store
+    params = [e.param for u in store.units for e in u.unique]
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    frozen = sum(p.numel() for p in params if not p.requires_grad)
+    state_bpp, state_held = optimizer_state_bytes_per_param(optimizer, trainable)
+    held = state_held
+    for unit in store.units:
+        held += unit.master.numel() * unit.master.element_size()
+        if unit.stream.data_ptr() != unit.master.data_ptr():
+            held += unit.stream.numel() * unit.stream.element_size()
+        for buf in (unit.grad, unit.param_grad, unit.grad_lowp):
+            held += buf.numel() * buf.element_size() if buf is not None else 0
+    gpu_kw = {}
+    if executor.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(executor.device)
+        slots = executor.pool.nbytes
+        resident = 2 * executor._resident_buf.numel() * executor._resident_buf.element_size()
+        gpu_kw = dict(gpu_have_bytes=free + slots + resident, gpu_slot_bytes=slots, gpu_resident_bytes=resident)
+    else:
+        gpu_kw = dict(gpu_have_bytes=0)
+    return admission_report(
+        num_params=trainable, frozen_params=frozen, precision=precision,
+        host_have_bytes=psutil.virtual_memory().available + held,
+        optimizer_state_bytes_per_param=state_bpp,
+        grad_accumulation=executor.updates is None,
+        **gpu_kw,
+    )

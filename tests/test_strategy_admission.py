@@ -1,0 +1,38 @@
+"""Admission control before step 1: a run that cannot fit host RAM is refused with the table and a remedy."""
+
+import collections
+
+import pytest
+from helpers import LMModule, batches, tiny_model, train
+
+import lightning_lazytrain.memory as memory
+from lightning_lazytrain.schedule import AdmissionError
+
+Mem = collections.namedtuple("Mem", "available")
+
+
+def test_lazy_adam_states_that_do_not_fit_are_refused_before_step_one(monkeypatch):
+    model = tiny_model("qwen2")
+    n = sum(p.numel() for p in model.parameters())
+    # room for everything but half of AdamW's lazily allocated 8 B/param states
+    monkeypatch.setattr(memory.psutil, "virtual_memory", lambda: Mem(available=4 * n + 4 * n))
+    module = LMModule(model)
+    with pytest.raises(AdmissionError, match=r"host RAM short by[\s\S]*optimizer states[\s\S]*8-bit optimizer states"):
+        train(model, batches(1), strategy="lazytrain", max_steps=1)
+    assert module.losses == []
+
+
+def test_report_counts_what_the_run_needs(monkeypatch):
+    seen = {}
+    real = memory.admission_report
+
+    def spy(**kw):
+        seen.update(kw)
+        return real(**kw)
+
+    monkeypatch.setattr(memory, "admission_report", spy)
+    model = tiny_model("qwen2")
+    train(model, batches(1), strategy="lazytrain", max_steps=1)
+    assert seen["num_params"] == sum(p.numel() for p in model.parameters())
+    assert seen["optimizer_state_bytes_per_param"] == 8.0
+    assert seen["precision"] == "32-true" and seen["grad_accumulation"] is True
