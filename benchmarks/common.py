@@ -37,6 +37,19 @@ def random_model(shape: str, device: str = "cuda", dtype: torch.dtype = torch.fl
         return AutoModelForCausalLM.from_config(qwen_config(shape), dtype=dtype)
 
 
+def cap_gpu_memory(gib: float) -> None:
+    """Emulate a smaller GPU (80 GiB: H800-class, 24 GiB: 3090-class) on the H200."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total))
+
+
+def host_model(shape: str, dtype: torch.dtype = torch.float32):
+    """A random-init model initialised on the GPU (fast) and handed over in host memory, as lazytrain takes it."""
+    model = random_model(shape, "cuda", torch.bfloat16).to("cpu", dtype)
+    torch.cuda.empty_cache()
+    return model
+
+
 def model_flops_per_token(cfg: Qwen2Config, num_params: int, seq: int) -> float:
     """The convention of REFERENCE.md: 6N plus the attention term 12 * layers * hidden * seq."""
     return 6 * num_params + 12 * cfg.num_hidden_layers * cfg.hidden_size * seq

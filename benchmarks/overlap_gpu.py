@@ -11,14 +11,14 @@ from __future__ import annotations
 import argparse
 import gc
 
-import torch
 from common import (
     BenchModule,
     RandomTokens,
+    cap_gpu_memory,
+    host_model,
     model_flops_per_token,
     print_table,
     qwen_config,
-    random_model,
     write_results,
 )
 from foundation_gpu import measure
@@ -33,11 +33,9 @@ def main() -> None:
     parser.add_argument("--cap-gib", type=float, default=80.0)
     parser.add_argument("--batches", type=int, nargs="*", default=[8, 32])
     args = parser.parse_args()
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total))
+    cap_gpu_memory(args.cap_gib)
     seq, rows = 1024, []
-    model = random_model("qwen2.5-7b", "cuda", torch.bfloat16).to("cpu", torch.float32)
-    torch.cuda.empty_cache()
+    model = host_model("qwen2.5-7b")
     fpt = model_flops_per_token(qwen_config("qwen2.5-7b"), sum(p.numel() for p in model.parameters()), seq)
     for batch in args.batches:
         graphs = 8 if batch <= 16 else 4

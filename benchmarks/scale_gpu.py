@@ -16,10 +16,11 @@ import torch
 from common import (
     BenchModule,
     RandomTokens,
+    cap_gpu_memory,
+    host_model,
     model_flops_per_token,
     print_table,
     qwen_config,
-    random_model,
     write_results,
 )
 from foundation_gpu import measure
@@ -36,11 +37,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--skip-14b", action="store_true")
     args = parser.parse_args()
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total))
+    cap_gpu_memory(args.cap_gib)
     seq, rows = 1024, []
-    model = random_model("qwen2.5-7b", "cuda", torch.bfloat16).to("cpu", torch.float32)
-    torch.cuda.empty_cache()
+    model = host_model("qwen2.5-7b")
     cfg = qwen_config("qwen2.5-7b")
     num_params = sum(p.numel() for p in model.parameters())
     fpt = model_flops_per_token(cfg, num_params, seq)
@@ -60,9 +59,8 @@ def main() -> None:
     del model
     gc.collect()
     if not args.skip_14b:
-        torch.cuda.set_per_process_memory_fraction(1.0)
-        model = random_model("qwen2.5-14b", "cuda", torch.bfloat16).to("cpu")
-        torch.cuda.empty_cache()
+        cap_gpu_memory(1e9)
+        model = host_model("qwen2.5-14b", torch.bfloat16)
         cfg = qwen_config("qwen2.5-14b")
         n14 = sum(p.numel() for p in model.parameters())
         data = RandomTokens(4, 8, seq)
