@@ -83,8 +83,6 @@ class LazyTrainStrategy(Strategy):
     ) -> None:
         super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self.model_attr = model_attr
-        self.schedule = schedule
-        self.keep_graph_layers = keep_graph_layers
         self.num_slots = num_slots
         self.prefetch_depth = prefetch_depth
         self.pin_memory = pin_memory
@@ -102,6 +100,10 @@ class LazyTrainStrategy(Strategy):
                                           solver_mip_gap)
         self.plan_settings.kind()
         self.schedule_result: Schedule | None = None
+
+    @property
+    def schedule(self) -> str:
+        return self.plan_settings.schedule
 
     @property
     def precision_plugin(self) -> LazyTrainPrecision:
