@@ -87,6 +87,9 @@ class LazyTrainPrecision(Precision):
         self._clip_val = None
         result = self._wrap_closure(model, optimizer, closure)
         self.direct_step(self._clip_val)
+        # optimizer.step() is never called in this mode; tell torch's LR schedulers the step happened (they track
+        # this flag to warn about scheduler-before-optimizer ordering)
+        optimizer._opt_called = True
         return result
 
     def clip_grad_by_norm(self, optimizer, clip_val) -> None:
