@@ -203,8 +203,15 @@ class LazyTrainStrategy(Strategy):
         trainer_ref = trainer
 
         def direct_step(clip_val: float | None) -> None:
-            if not self.executor.direct_step(clip_val, self.nonfinite_guard, trainer_ref.global_step):
+            try:
+                stepped = self.executor.direct_step(clip_val, self.nonfinite_guard, trainer_ref.global_step)
+            except RuntimeError as exc:
+                reason = str(exc).rstrip(".")
+                raise RuntimeError(f"{reason}. Last good checkpoint: {_last_checkpoint(trainer_ref)}") from exc
+            if not stepped:
                 self.skipped_steps += 1
+                log.warning("lazytrain: non-finite gradient norm at step %d, step skipped (%d so far)",
+                            trainer_ref.global_step, self.skipped_steps)
 
         precision.direct_step = direct_step
 
@@ -289,3 +296,12 @@ class LazyTrainStrategy(Strategy):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="Stream HF decoder layers from host memory")
+
+
+def _last_checkpoint(trainer: pl.Trainer) -> str:
+    """The newest checkpoint a ModelCheckpoint callback wrote, for the abort message. Skipped steps leave the
+    weights untouched, so a checkpoint written after one still holds the last good weights."""
+    paths = [getattr(cb, "last_model_path", "") or getattr(cb, "best_model_path", "")
+             for cb in trainer.checkpoint_callbacks]
+    paths = [p for p in paths if p]
+    return paths[-1] if paths else "none (no ModelCheckpoint has saved yet)"

@@ -75,10 +75,17 @@ def test_nonfinite_step_is_skipped_and_counted():
     assert rel_diff(skip.model, two.model) <= 1e-6
 
 
-def test_three_nonfinite_steps_in_a_row_abort():
-    model, data = tiny_model("qwen2"), batches(4)
-    with pytest.raises(RuntimeError, match="non-finite"):
-        fit(HybridModule(copy.deepcopy(model), nan_steps={0, 1, 2}), data, "lazytrain", max_steps=4)
+def test_three_nonfinite_steps_in_a_row_abort_naming_the_last_good_checkpoint(tmp_path):
+    model, data = tiny_model("qwen2"), batches(6)
+    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)
+    with pytest.raises(RuntimeError, match=r"non-finite[\s\S]*Last good checkpoint: .*step=4\.ckpt") as info:
+        fit(HybridModule(copy.deepcopy(model), nan_steps={2, 3, 4}), data, "lazytrain", max_steps=6,
+            callbacks=[saver], enable_checkpointing=True)
+    path = str(info.value).rsplit("Last good checkpoint: ", 1)[1]
+    weights = torch.load(path, weights_only=True)["state_dict"]
+    assert all(torch.isfinite(t).all() for t in weights.values())
+    before = torch.load(tmp_path / "epoch=0-step=2.ckpt", weights_only=True)["state_dict"]
+    assert all(torch.equal(weights[k], before[k]) for k in before), "skipped steps must not touch the weights"
 
 
 def test_direct_updates_resume_exactly(tmp_path):
