@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_lazytrain.faults import spill_write_failed
 from lightning_lazytrain.models.adapter import ModelAdapter
 
 PROFILE_VERSION = 1
@@ -230,11 +231,19 @@ def _measure_link_cuda(device: torch.device, nbytes: int = LINK_PROBE_BYTES, rep
 def measure_disk(spill_dir: str, nbytes: int) -> tuple[float, float]:
     """(read, write) bytes/s of a temp file in ``spill_dir``: write + fsync, drop it from the page cache, read.
 
-    The file is removed before returning, also on error.
+    The file is removed before returning, also on error; a full or failing disk raises a ``SpillError``.
     """
     os.makedirs(spill_dir, exist_ok=True)
     chunk = min(nbytes, 16 << 20)
     buf = os.urandom(chunk)
+    try:
+        return _probe(spill_dir, nbytes, buf)
+    except OSError as exc:
+        raise spill_write_failed(spill_dir, spill_dir, "the disk-speed probe", nbytes, exc) from exc
+
+
+def _probe(spill_dir: str, nbytes: int, buf: bytes) -> tuple[float, float]:
+    chunk = len(buf)
     fd, path = tempfile.mkstemp(prefix=".lazytrain-probe-", suffix=".bin", dir=spill_dir)
     try:
         t0 = time.perf_counter()
