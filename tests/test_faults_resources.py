@@ -1,6 +1,7 @@
 """Resource faults in a real lazytrain CPU run: a full or vanishing spill disk, a failing pin. Each ends in one
 ResourceError that names the resource, the bytes, and what to change, promptly, and leaves no spill file behind."""
 
+import errno
 import os
 import shutil
 import subprocess
@@ -18,6 +19,8 @@ from lightning_lazytrain.engine.pinned import PinnedAllocator
 from lightning_lazytrain.engine.store import HostParamStore
 from lightning_lazytrain.faults import PinnedMemoryError, ResourceError, SpillError, human_bytes
 from lightning_lazytrain.schedule import Schedule
+from lightning_lazytrain.schedule import profile as profile_mod
+from lightning_lazytrain.schedule.profile import measure_disk
 
 FS_BYTES = 256 * 1024
 # 4 layers, two boundaries on NVMe; with batch 2 x seq 320 x hidden 64 fp32 a boundary is 160 KiB
@@ -147,3 +150,19 @@ def test_pin_failure_at_setup_reaches_the_caller_unchanged(failing_pin):
                                          (3 << 30, "3.0 GiB"), (5 << 50, "5120.0 TiB")])
 def test_human_bytes(n, text):
     assert human_bytes(n) == text
+
+
+def test_disk_speed_probe_fits_a_small_spill_disk_and_leaves_nothing(tiny_fs):
+    read, write = measure_disk(str(tiny_fs), 16 << 20)  # the CPU probe size, 64x this disk
+    assert read > 0 and write > 0
+    assert os.listdir(tiny_fs) == [] and shutil.disk_usage(tiny_fs).used == 0
+
+
+def test_disk_speed_probe_on_a_failing_disk_is_a_spill_error(tmp_path, monkeypatch):
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(profile_mod.os, "write", full)
+    with pytest.raises(SpillError, match=f"spill_dir '{tmp_path}': is full writing the disk-speed probe"):
+        measure_disk(str(tmp_path), 1 << 20)
+    assert os.listdir(tmp_path) == []

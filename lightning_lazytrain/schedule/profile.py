@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import socket
 import tempfile
 import time
@@ -234,6 +235,8 @@ def measure_disk(spill_dir: str, nbytes: int) -> tuple[float, float]:
     The file is removed before returning, also on error; a full or failing disk raises a ``SpillError``.
     """
     os.makedirs(spill_dir, exist_ok=True)
+    # a speed probe must not be what fills a small spill disk: a quarter of its free space at most
+    nbytes = max(1, min(nbytes, shutil.disk_usage(spill_dir).free // 4))
     chunk = min(nbytes, 16 << 20)
     buf = os.urandom(chunk)
     try:
