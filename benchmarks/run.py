@@ -39,7 +39,7 @@ def _num_params(shape: str) -> int:
 
 
 def _fit(system: str, shape: str, batch: int, steps: int, timer: StepTimer, host_cache: dict, fp32_adamw: bool):
-    run = build(system, shape, host_cache, fp32_adamw=fp32_adamw)
+    run = build(system, shape, batch, host_cache, fp32_adamw=fp32_adamw)
     try:
         run_fit(run.module, run.strategy, run.precision, RandomTokens(steps, batch, SEQ), timer, **run.trainer_kw)
     finally:
@@ -139,7 +139,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["qwen2.5-3b"])
     parser.add_argument("--systems", nargs="+", default=["all"])
     parser.add_argument("--caps", nargs="+", default=["80"], help="GiB, or 'none' for the whole GPU")
-    parser.add_argument("--batches", nargs="+", default=["8"], help="batch sizes, or 'max' to search")
+    parser.add_argument("--batches", nargs="+", default=["8"],
+                        help="batch sizes, 'max' to search, 'same' for lazytrain's")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/results/h200.json")
@@ -159,6 +160,10 @@ def main() -> None:
         for system in systems:
             for cap in [None] if system.startswith("gpu-resident") else caps:
                 for batch in args.batches:
+                    if batch == "same":  # the batch the lazytrain search found for this model and cap
+                        found = [r for r in runs if r["system"] == "lazytrain" and r["model"] == shape
+                                 and r["gpu_cap_gib"] == cap and r["status"] == "ok"]
+                        batch = str(found[-1]["batch"]) if found else "8"
                     if batch == "max":
                         row = search(system, shape, cap, args.steps, args.warmup, host_cache)
                     else:
