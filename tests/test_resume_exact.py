@@ -29,7 +29,8 @@ class CrashAt(pl.Callback):
 
 def assert_same_tree(a, b, where="state"):
     if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+        same = isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+        assert same, f"{where} differs"
     elif isinstance(a, dict):
         assert a.keys() == b.keys(), where
         for k in a:
