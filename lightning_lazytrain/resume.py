@@ -44,7 +44,7 @@ def fallback_for_last(path: str, error: CorruptCheckpointError) -> str:
     if good is None:
         raise CorruptCheckpointError(f"{error}\nNo other checkpoint in {directory} verifies either.") from error
     warnings.warn(f"{path} is corrupt, resuming from {good} instead (the newest checkpoint in {directory} that"
-                  f" verifies). {error}", stacklevel=2)
+                  " verifies)", stacklevel=2)
     return good
 
 

@@ -59,6 +59,37 @@ class NoisyHybridModule(LMModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class Crash(RuntimeError):
+    pass
+
+
+class CrashAt(pl.Callback):
+    """Raise at the start of step ``step + 1``: checkpoints up to ``step`` are on disk, nothing after."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, *args):
+        if trainer.global_step == self.step:
+            raise Crash(f"simulated crash after step {self.step}")
+
+
+def assert_same_tree(a, b, where="state"):
+    if isinstance(a, torch.Tensor):
+        same = isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+        assert same, f"{where} differs"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_same_tree(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_tree(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
 def start_model() -> torch.nn.Module:
     return tiny_model("qwen2", seed=3)
 

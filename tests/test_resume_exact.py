@@ -1,46 +1,19 @@
 """A run stopped at step k and resumed from its checkpoint ends bit-for-bit where the unbroken run ends."""
 
 import os
+import random
 import subprocess
 import sys
 
-import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
-from resume_setup import MAX_STEPS, fit, start_model
+from resume_setup import MAX_STEPS, assert_same_tree, fit, start_model
 
+from lightning_lazytrain import AtomicCheckpointIO, LazyTrainStrategy
 from lightning_lazytrain.data.sampler import ResumableDataLoader, ResumableRandomSampler
-
-
-class Crash(RuntimeError):
-    pass
-
-
-class CrashAt(pl.Callback):
-    """Raise at the start of step ``step + 1``: checkpoints up to ``step`` are on disk, nothing after."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_start(self, trainer, *args):
-        if trainer.global_step == self.step:
-            raise Crash(f"simulated crash after step {self.step}")
-
-
-def assert_same_tree(a, b, where="state"):
-    if isinstance(a, torch.Tensor):
-        same = isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-        assert same, f"{where} differs"
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            assert_same_tree(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same_tree(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
+from lightning_lazytrain.resume import STATE_KEY
+from lightning_lazytrain.schedule import interval_schedule
 
 
 def assert_same_run(resumed, resumed_trainer, ref, ref_trainer, k):
@@ -66,15 +39,6 @@ def test_unbroken_run_exercises_what_a_resume_must_carry(unbroken):
     assert kinds == {True, False}, "both 8-bit and fp32 moments must be in the run"
     assert len(set(ref.draws)) == MAX_STEPS, "the training step draws from the global RNG every step"
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 / (1 + MAX_STEPS))
-
-
-def test_resume_after_crash_mid_epoch_equals_unbroken(tmp_path, unbroken):
-    k = 3  # mid-epoch (5 batches per epoch), and the resumed run crosses into epoch 1
-    with pytest.raises(Crash):
-        fit(start_model(), str(tmp_path), callbacks=(CrashAt(k),))
-    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == k
-    resumed, trainer = fit(start_model(), str(tmp_path), ckpt_path="last", seed=999)
-    assert_same_run(resumed, trainer, *unbroken, k)
 
 
 def test_resume_after_sigkill_inside_a_save_equals_unbroken(tmp_path, unbroken):
@@ -126,3 +90,33 @@ def test_sampler_refuses_a_state_for_other_data():
     sampler = ResumableRandomSampler(list(range(5)))
     with pytest.raises(ValueError, match="for 6 samples but this dataset has 5"):
         sampler.load_state_dict({**sampler.state_dict(), "num_samples": 6})
+
+
+def test_strategy_state_round_trips_through_a_checkpoint_file(tmp_path):
+    """Skipped-step counters and the solved plan come back from disk (weights_only); the plan only for its shape."""
+    saving = LazyTrainStrategy(schedule="milp")
+    saving.skipped_steps = 2
+    saving.nonfinite_guard.consecutive, saving.nonfinite_guard.skipped = 1, 2
+    saving.schedule_result = interval_schedule(4, 2)
+    saving.resume.plan_shape = (2, 16)
+    io, path = AtomicCheckpointIO(), tmp_path / "s.ckpt"
+    io.save_checkpoint({STATE_KEY: saving.resume.dump(saving)}, path)
+    loading = LazyTrainStrategy(schedule="milp")
+    loading.resume.load(loading, io.load_checkpoint(path)[STATE_KEY])
+    assert loading.skipped_steps == 2
+    assert loading.nonfinite_guard.state_dict() == saving.nonfinite_guard.state_dict()
+    assert loading.resume.saved_plan((2, 16)).tiers == saving.schedule_result.tiers
+    assert loading.resume.saved_plan((4, 16)) is None
+
+
+def test_random_streams_are_restored_at_the_first_resumed_batch():
+    saving = LazyTrainStrategy()
+    torch.manual_seed(1), random.seed(1), np.random.seed(1)
+    state = saving.resume.dump(saving)
+    expected = (torch.rand(3), random.random(), np.random.rand())
+    loading = LazyTrainStrategy()
+    loading.resume.load(loading, state)
+    torch.manual_seed(2), random.seed(2), np.random.seed(2)  # what setup may consume in between
+    loading.resume.before_batch()
+    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
+    assert np.random.rand() == expected[2]

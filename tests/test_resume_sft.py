@@ -6,7 +6,7 @@ import copy
 import lightning.pytorch as pl
 import pytest
 import torch
-from test_resume_exact import Crash, CrashAt, assert_same_tree
+from resume_setup import Crash, CrashAt, assert_same_tree
 
 import lightning_lazytrain  # noqa: F401  (registers the strategy name)
 from lightning_lazytrain.data.sft import SFTDataModule
