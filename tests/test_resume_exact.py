@@ -37,6 +37,7 @@ def test_unbroken_run_exercises_what_a_resume_must_carry(unbroken):
     opt = trainer.optimizers[0]
     kinds = {opt.is_8bit(p) for p in ref.parameters()}
     assert kinds == {True, False}, "both 8-bit and fp32 moments must be in the run"
+    assert all(p.grad is None for p in ref.parameters()), "the engine ran the updates itself (overlapped)"
     assert len(set(ref.draws)) == MAX_STEPS, "the training step draws from the global RNG every step"
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 / (1 + MAX_STEPS))
 
