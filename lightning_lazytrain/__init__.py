@@ -5,6 +5,7 @@ Importing the package registers ``Trainer(strategy="lazytrain")``.
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_lazytrain.checkpoint import AtomicCheckpointIO, CorruptCheckpointError, find_last_good
 from lightning_lazytrain.data.errors import DataError
 from lightning_lazytrain.faults import ResourceError
 from lightning_lazytrain.models import UnsupportedModelError, supported_architectures
@@ -17,6 +18,8 @@ if LazyTrainStrategy.strategy_name not in StrategyRegistry:
     LazyTrainStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
+    "AtomicCheckpointIO",
+    "CorruptCheckpointError",
     "DataError",
     "LazyTrainPrecision",
     "LazyTrainStrategy",
@@ -24,5 +27,6 @@ __all__ = [
     "ResourceError",
     "UnsupportedModelError",
     "UnsupportedPrecisionError",
+    "find_last_good",
     "supported_architectures",
 ]

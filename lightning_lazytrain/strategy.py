@@ -14,18 +14,22 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from transformers import PreTrainedModel
 
+from lightning_lazytrain.checkpoint import AtomicCheckpointIO, CorruptCheckpointError
 from lightning_lazytrain.engine import StreamingExecutor
 from lightning_lazytrain.memory import admission
 from lightning_lazytrain.models import adapter_for
 from lightning_lazytrain.optim import NonFiniteGuard
 from lightning_lazytrain.planner import PlanSettings, initial_plan, plan_of, solve_plan, write_plan
 from lightning_lazytrain.precision import LazyTrainPrecision
+from lightning_lazytrain.resume import STATE_KEY, ResumeState, fallback_for_last
 from lightning_lazytrain.schedule import Schedule
 
 log = logging.getLogger(__name__)
@@ -55,6 +59,7 @@ class LazyTrainStrategy(Strategy):
         gpu_activation_gib / cpu_activation_gib / nvme_activation_gib: activation budgets for the MILP (default:
             half the free GPU memory, a quarter of the available host RAM, 80% of the spill dir's free space).
         spill_dir: directory for NVMe activation homes (files are removed at teardown and after a crash).
+        checkpoint_io: default ``AtomicCheckpointIO`` (atomic saves, verified loads; see docs/reliability.md).
         solver_time_limit / solver_mip_gap: HiGHS limits for the MILP.
     """
 
@@ -100,10 +105,23 @@ class LazyTrainStrategy(Strategy):
                                           solver_mip_gap)
         self.plan_settings.kind()
         self.schedule_result: Schedule | None = None
+        self.resume = ResumeState()
 
     @property
     def schedule(self) -> str:
         return self.plan_settings.schedule
+
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicCheckpointIO()
+        elif isinstance(self._checkpoint_io, _WrappingCheckpointIO) and self._checkpoint_io.checkpoint_io is None:
+            self._checkpoint_io.checkpoint_io = AtomicCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
 
     @property
     def precision_plugin(self) -> LazyTrainPrecision:
@@ -226,14 +244,20 @@ class LazyTrainStrategy(Strategy):
         return super().optimizer_state(optimizer)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.resume.before_batch()
         if self.plan_settings.kind() != "milp" or self.schedule_result is not None or self.executor is None:
             return
         ids = batch["input_ids"] if isinstance(batch, Mapping) else getattr(batch, "input_ids", None)
         if ids is None:
             raise ValueError("schedule='milp' plans for the batch shape: the batch must carry input_ids (B, T)")
         batch_size, seq = ids.shape[0], ids.shape[-1]
-        self.schedule_result = solve_plan(self.plan_settings, self.executor, batch_size, seq)
+        self.resume.plan_shape = (batch_size, seq)
+        saved = self.resume.saved_plan((batch_size, seq))
+        self.schedule_result = saved or solve_plan(self.plan_settings, self.executor, batch_size, seq)
         self.executor.set_plan(plan_of(self.schedule_result), self.num_slots)
+        if saved is not None:
+            log.info("lazytrain: running the plan saved in the checkpoint for batch %d x %d", batch_size, seq)
+            return
         trainer = self.lightning_module.trainer
         path = write_plan(self.schedule_result, trainer.log_dir or trainer.default_root_dir)
         log.info("lazytrain: plan for batch %d x %d written to %s", batch_size, seq, path)
@@ -267,6 +291,19 @@ class LazyTrainStrategy(Strategy):
         if self.executor is not None:
             self.executor.after_optimizer_step()
 
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
+        checkpoint[STATE_KEY] = self.resume.dump(self)
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        try:
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        except CorruptCheckpointError as err:
+            # fit(ckpt_path="last") resolved to a last*.ckpt that does not verify: take the newest one that does
+            checkpoint = super().load_checkpoint(fallback_for_last(str(checkpoint_path), err), weights_only)
+        self.resume.load(self, checkpoint.get(STATE_KEY))
+        return checkpoint
+
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer.load_state_dict(state)
@@ -285,6 +322,7 @@ class LazyTrainStrategy(Strategy):
 
     def teardown(self) -> None:
         self.precision_plugin.direct_step = None
+        self.resume.end_run()
         if self.executor is not None:
             self.executor.close()
             self.executor = None

@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from lightning_lazytrain.data.answers import reference_answer
 from lightning_lazytrain.data.errors import EmptyDataError
 from lightning_lazytrain.data.formats import FieldMap, Record, read_records
+from lightning_lazytrain.data.sampler import ResumableDataLoader, ResumableRandomSampler
 from lightning_lazytrain.data.settings import DEMO_DATA, check_settings, resolve_data_path
 from lightning_lazytrain.data.tokenizer import load_tokenizer
 
@@ -285,9 +286,10 @@ class SFTDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         collate = SFTCollator(self._pad_id(), pad_to_multiple_of=self.hparams.pad_to_multiple_of)
-        gen = torch.Generator().manual_seed(self.hparams.seed)  # same sample order for the same seed
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, generator=gen,
-                          collate_fn=collate, num_workers=self.hparams.num_workers)
+        # same sample order for the same seed; its place mid-epoch is saved in checkpoints, so a resume continues it
+        sampler = ResumableRandomSampler(self.train_set, seed=self.hparams.seed)
+        return ResumableDataLoader(self.train_set, batch_size=self.hparams.batch_size, sampler=sampler,
+                                   collate_fn=collate, num_workers=self.hparams.num_workers)
 
     def _eval_loader(self) -> DataLoader:
         collate = SFTCollator(self._pad_id(), generation=True, pad_to_multiple_of=self.hparams.pad_to_multiple_of)

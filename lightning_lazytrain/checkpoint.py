@@ -1,0 +1,322 @@
+"""Checkpoint files that survive a kill at any moment, and are checked before they are unpickled.
+
+A save writes ``.<name>.<pid>.<token>.tmp`` beside the target, flushes and fsyncs it, renames it over the target and
+fsyncs the directory. Every checkpoint has a manifest, ``<name>.manifest.json`` (written the same atomic way), that
+lists the byte size and sha256 of the contents that may sit at ``<name>``.
+
+The window between renaming the checkpoint and rewriting its manifest is closed by ordering: just before the rename
+the manifest is rewritten to accept BOTH the old contents and the new ones; after the rename it is rewritten to
+accept only the new ones. A kill at any point therefore leaves one of:
+
+* old file, old manifest (killed before the first manifest rename),
+* old file, manifest accepting old and new (killed before the checkpoint rename),
+* new file, manifest accepting old and new (killed before the last manifest rename),
+* new file, new manifest,
+
+and each of them verifies. A file with no manifest, or whose size or digest no manifest entry accepts, is refused
+with :class:`CorruptCheckpointError` before ``torch.load`` sees a byte of it; loading uses ``weights_only=True``, and
+saving refuses objects that such a load would reject, so the error comes at the first save, not at the resume.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import os
+import re
+import secrets
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.utilities.types import _PATH
+
+__all__ = ["AtomicCheckpointIO", "CorruptCheckpointError", "find_last_good", "manifest_path", "verify_checkpoint"]
+
+MANIFEST_SUFFIX = ".manifest.json"
+_FORMAT = "lightning-lazytrain-checkpoint-manifest"
+_TEMP = re.compile(r"^\..+\.(\d+)\.[0-9a-f]{16}\.tmp$")
+_HASH_CHUNK = 16 * 2**20
+_LEAF_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+_CONTAINER_TYPES = (dict, collections.OrderedDict, list, tuple, set)
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint file is incomplete, altered, or has no manifest to check it against."""
+
+
+def manifest_path(path: _PATH) -> str:
+    return os.fspath(path) + MANIFEST_SUFFIX
+
+
+def verify_checkpoint(path: _PATH) -> dict[str, Any]:
+    """Check ``path`` against its manifest (size first, then sha256); return the manifest.
+
+    A symlink (``ModelCheckpoint(save_last="link")``) is checked as the file it points to.
+    Raises ``FileNotFoundError`` when there is no file and :class:`CorruptCheckpointError` when it does not verify.
+    """
+    shown = os.fspath(path)
+    target = os.path.realpath(shown)
+    if not os.path.isfile(target):
+        raise FileNotFoundError(f"Checkpoint file not found: {shown}")
+    manifest = _read_manifest(shown, target)
+    accepted = manifest["accepts"]
+    found = os.path.getsize(target)
+    same_size = [e for e in accepted if e["size"] == found]
+    if not same_size:
+        expected = " or ".join(str(e["size"]) for e in accepted)
+        kind = "truncated" if found < max(e["size"] for e in accepted) else "size mismatch"
+        raise CorruptCheckpointError(
+            f"{shown} is corrupt ({kind}): {expected} bytes expected, {found} bytes found. {_older_hint(target)}"
+        )
+    with open(target, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    if all(e["sha256"] != digest for e in same_size):
+        expected = " or ".join(e["sha256"] for e in same_size)
+        raise CorruptCheckpointError(
+            f"{shown} is corrupt (checksum mismatch): sha256 {digest} found, {expected} expected; the bytes changed"
+            f" after they were written (disk or copy damage). {_older_hint(target)}"
+        )
+    return manifest
+
+
+def find_last_good(dirpath: _PATH) -> str | None:
+    """The newest ``*.ckpt`` in ``dirpath`` that verifies (newest by the save time its manifest records), or None.
+
+    Newer checkpoints that do not verify are skipped with a warning naming each one and what is wrong with it.
+    """
+    directory = os.fspath(dirpath)
+    if not os.path.isdir(directory):
+        return None
+    candidates = []
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if name.endswith(".ckpt") and os.path.isfile(path) and not os.path.islink(path):
+            candidates.append((_saved_ns(path), name, path))
+    for _, _, path in sorted(candidates, reverse=True):
+        try:
+            verify_checkpoint(path)
+        except (CorruptCheckpointError, FileNotFoundError) as err:
+            warnings.warn(f"skipping checkpoint {path}: {err}", stacklevel=2)
+            continue
+        return path
+    return None
+
+
+def remove_stale_temps(dirpath: _PATH) -> list[str]:
+    """Delete temp files that a killed save left in ``dirpath`` (their writer process is gone); return their paths."""
+    directory = os.fspath(dirpath)
+    removed = []
+    for name in os.listdir(directory) if os.path.isdir(directory) else []:
+        match = _TEMP.match(name)
+        if match and not _process_alive(int(match.group(1))):
+            path = os.path.join(directory, name)
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                continue  # another process cleaned it first
+            removed.append(path)
+    return removed
+
+
+def check_weights_only_loadable(obj: Any, path: _PATH) -> None:
+    """Raise ``TypeError`` naming the first value that ``torch.load(weights_only=True)`` would refuse to rebuild."""
+    safe = {g[0] if isinstance(g, tuple) else g for g in torch.serialization.get_safe_globals()}
+    stack: list[tuple[str, Any]] = [("checkpoint", obj)]
+    while stack:
+        where, value = stack.pop()
+        kind = type(value)
+        if kind in _LEAF_TYPES or kind in (torch.Tensor, torch.nn.Parameter) or kind in safe:
+            continue
+        if kind not in _CONTAINER_TYPES:
+            raise TypeError(
+                f"cannot save {os.fspath(path)}: {where} is a {kind.__module__}.{kind.__qualname__}, which"
+                " torch.load(weights_only=True) refuses to rebuild, so the checkpoint could not be resumed from."
+                " Store it as plain data (str, numbers, lists, dicts, tensors), or register the class with"
+                " torch.serialization.add_safe_globals([...]) if it is safe to unpickle."
+            )
+        if isinstance(value, dict):
+            stack.extend((f"{where}[{k!r}] (key)", k) for k in value)
+            stack.extend((f"{where}[{k!r}]", v) for k, v in value.items())
+        else:
+            stack.extend((f"{where}[{i}]", v) for i, v in enumerate(value))
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``TorchCheckpointIO`` whose saves are atomic and whose loads are verified against a sha256 manifest.
+
+    Local paths only: the rename and fsync guarantees have no equivalent on object stores.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options (got {storage_options!r})")
+        target = _local(path)
+        directory = os.path.dirname(os.path.abspath(target))
+        os.makedirs(directory, exist_ok=True)
+        remove_stale_temps(directory)
+        check_weights_only_loadable(checkpoint, target)
+        tmp = _temp_name(target)
+        try:
+            entry = _write_hashed(checkpoint, tmp)
+            info = {"global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch")}
+            _write_manifest(target, [entry, *_entries_for_current(target)], info)
+            os.replace(tmp, target)
+            _fsync_dir(directory)
+            _write_manifest(target, [entry], info)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        map_location: Callable | None = lambda storage, loc: storage,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        if weights_only is False:
+            raise ValueError(
+                f"{type(self).__name__} loads with weights_only=True only (what it saves never needs more); drop"
+                f" weights_only=False, or load {os.fspath(path)} with lightning's TorchCheckpointIO if you trust it."
+            )
+        target = _local(path)
+        remove_stale_temps(os.path.dirname(os.path.abspath(target)))  # a resume is the first chance after a crash
+        verify_checkpoint(target)
+        return torch.load(target, map_location=map_location, weights_only=True)
+
+    def remove_checkpoint(self, path: _PATH) -> None:
+        target = _local(path)
+        # the checkpoint goes first: a kill in between leaves a manifest with no file (ignored), never a file with
+        # no manifest (which would read as corrupt)
+        for victim in (target, manifest_path(target)):
+            if os.path.lexists(victim):
+                os.remove(victim)
+
+
+class _HashingWriter:
+    """File-like object for ``torch.save`` that hashes and counts the bytes on their way to the real file."""
+
+    def __init__(self, file: Any) -> None:
+        self.file = file
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        self.sha256.update(data)
+        written = self.file.write(data)
+        self.size += written
+        return written
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def _write_hashed(obj: Any, tmp: str) -> dict[str, Any]:
+    with open(tmp, "wb") as f:
+        writer = _HashingWriter(f)
+        torch.save(obj, writer)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"size": writer.size, "sha256": writer.sha256.hexdigest()}
+
+
+def _write_manifest(target: str, accepts: list[dict[str, Any]], info: dict[str, Any]) -> None:
+    body = {"format": _FORMAT, "version": 1, "file": os.path.basename(target), "saved_ns": time.time_ns(),
+            "accepts": accepts, **{k: v for k, v in info.items() if isinstance(v, int)}}
+    final = manifest_path(target)
+    tmp = _temp_name(final)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(body, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        _fsync_dir(os.path.dirname(os.path.abspath(final)))
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _entries_for_current(target: str) -> list[dict[str, Any]]:
+    """Manifest entries that may describe the file now at ``target`` (matched by size; the digest is not re-read)."""
+    if not os.path.isfile(target):
+        return []
+    try:
+        manifest = _read_manifest(target, target)
+    except CorruptCheckpointError:
+        return []  # the file being replaced never verified: there is nothing worth keeping loadable
+    size = os.path.getsize(target)
+    return [e for e in manifest["accepts"] if e["size"] == size]
+
+
+def _read_manifest(shown: str, target: str) -> dict[str, Any]:
+    path = manifest_path(target)
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(
+            f"{shown} has no manifest ({path}): its save did not finish, or it was written by another CheckpointIO."
+            " It cannot be checked, so it is not loaded; resume from a checkpoint saved by AtomicCheckpointIO."
+        ) from None
+    except (OSError, ValueError) as err:
+        raise CorruptCheckpointError(f"{shown}: its manifest {path} is unreadable ({err})") from err
+    entries = manifest.get("accepts") if isinstance(manifest, dict) else None
+    valid = isinstance(entries, list) and entries and all(
+        isinstance(e, dict) and isinstance(e.get("size"), int) and isinstance(e.get("sha256"), str) for e in entries)
+    if manifest.get("format") != _FORMAT or not valid:
+        raise CorruptCheckpointError(f"{shown}: its manifest {path} is not a lightning-lazytrain manifest")
+    return manifest
+
+
+def _older_hint(target: str) -> str:
+    directory = os.path.dirname(target)
+    return (f"Resume from an older checkpoint: lightning_lazytrain.find_last_good({directory!r}) finds the newest"
+            " that verifies.")
+
+
+def _saved_ns(path: str) -> int:
+    try:
+        with open(manifest_path(path)) as f:
+            return int(json.load(f)["saved_ns"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return os.stat(path).st_mtime_ns  # no usable manifest: ordered by mtime, then refused by verification
+
+
+def _temp_name(target: str) -> str:
+    directory, name = os.path.split(target)
+    return os.path.join(directory, f".{name}.{os.getpid()}.{secrets.token_hex(8)}.tmp")
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _process_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True  # our own temp: a save in flight on another thread (AsyncCheckpointIO)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _local(path: _PATH) -> str:
+    text = os.fspath(path)
+    if "://" in text and not text.startswith("file://"):
+        raise ValueError(
+            f"AtomicCheckpointIO writes local files only (atomic rename and fsync), got {text}; save locally and"
+            " copy, or pass checkpoint_io=TorchCheckpointIO() for remote storage without these guarantees"
+        )
+    return text.removeprefix("file://")
