@@ -20,14 +20,7 @@ class PinnedAllocator:
             return torch.empty(numel, dtype=dtype)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         tensor = torch.empty(numel, dtype=dtype)
-        try:
-            err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
-            ok = int(err) == 0 if not hasattr(err, "value") else err.value == 0
-        except (AttributeError, RuntimeError):
-            ok = False
-        if ok:
-            self._registered.append(tensor)
-        else:
+        if not self.register(tensor):
             try:
                 tensor = torch.empty(numel, dtype=dtype, pin_memory=True)
             except RuntimeError as exc:
@@ -35,8 +28,23 @@ class PinnedAllocator:
                     f"lazytrain could not pin {nbytes / 2**30:.2f} GiB of host memory ({self.pinned_bytes / 2**30:.2f}"
                     " GiB pinned so far). Free host RAM, lower the model size, or use precision='bf16-true'."
                 ) from exc
-        self.pinned_bytes += nbytes
+            self.pinned_bytes += nbytes
         return tensor
+
+    def register(self, tensor: torch.Tensor) -> bool:
+        """Pin memory that already exists (e.g. a shared-memory mapping); False when CUDA refuses."""
+        if not self.enabled or tensor.numel() == 0:
+            return False
+        nbytes = tensor.numel() * tensor.element_size()
+        try:
+            err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+            ok = int(err) == 0 if not hasattr(err, "value") else err.value == 0
+        except (AttributeError, RuntimeError):
+            ok = False
+        if ok:
+            self._registered.append(tensor)
+            self.pinned_bytes += nbytes
+        return ok
 
     def release(self) -> None:
         for tensor in self._registered:
