@@ -115,7 +115,8 @@ class SharedParamStore(HostParamStore):
             for e in unique:
                 lo, hi = max(lay.start, e.offset), min(lay.stop, e.offset + e.numel)
                 if lo < hi:
-                    master[lo - lay.start : hi - lay.start].copy_(e.param.data.reshape(-1)[lo - e.offset : hi - e.offset])
+                    source = e.param.data.reshape(-1)[lo - e.offset : hi - e.offset]
+                    master[lo - lay.start : hi - lay.start].copy_(source)
         stream = padded[: lay.numel]
         for e in unique:
             e.param.data = stream[e.offset : e.offset + e.numel].view(e.shape)
@@ -128,9 +129,10 @@ class SharedParamStore(HostParamStore):
         if topo.num_nodes > 1:
             gathered = torch.empty(topo.num_nodes * lay.shard, dtype=self.stream_dtype)
             dist.all_gather_into_tensor(gathered, padded[lay.start : lay.stop], group=topo.cross_group)
+            size = lay.shard
             for n, rank in enumerate(topo.cross_ranks):
                 if rank != topo.rank:
-                    padded[rank * lay.shard : (rank + 1) * lay.shard].copy_(gathered[n * lay.shard : (n + 1) * lay.shard])
+                    padded[rank * size : (rank + 1) * size].copy_(gathered[n * size : (n + 1) * size])
         topo.local_barrier()
 
     def write_shard(self, unit: ParamUnit) -> None:
@@ -152,6 +154,7 @@ class SharedParamStore(HostParamStore):
                                  f" {unit.master.numel()}: resume with the world size the checkpoint was saved with")
             unit.master.copy_(saved)
             self.write_shard(unit)
+            unit.generation += 1  # device copies made before the load are stale
 
 
 def _reserve(path: str, nbytes: int) -> None:
