@@ -31,7 +31,7 @@ from lightning_lazytrain.optim.hybrid_adamw import defer_state_allocation
 from lightning_lazytrain.parallel import ProcessGroupStrategy
 from lightning_lazytrain.planner import PlanSettings, initial_plan, plan_of, solve_plan, write_plan
 from lightning_lazytrain.precision import LazyTrainPrecision
-from lightning_lazytrain.schedule import Schedule
+from lightning_lazytrain.schedule import AdmissionReport, Schedule
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,7 @@ class LazyTrainStrategy(ProcessGroupStrategy):
                                           solver_mip_gap)
         self.plan_settings.kind()
         self.schedule_result: Schedule | None = None
+        self.admission_report: AdmissionReport | None = None
 
     @property
     def schedule(self) -> str:
@@ -190,6 +191,7 @@ class LazyTrainStrategy(ProcessGroupStrategy):
             topo = self.topology
             report = admission(self.executor, optimizer, precision.precision,
                                topo.local_world if topo else 1, topo.world_size if topo else 1)
+            self.admission_report = report
             report.check()
             log.info("lazytrain admission:\n%s", report.table())
         self.setup_precision_plugin()

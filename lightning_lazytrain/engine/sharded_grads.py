@@ -41,7 +41,7 @@ class ShardedGradSink:
             parts.append(torch.zeros(lay.padded - lay.numel, dtype=self.dtype, device=device))
         flat = torch.cat(parts)
         shard = torch.empty(lay.shard, dtype=self.dtype, device=device) if self.queues.is_cuda else unit.grad_lowp
-        work = dist.reduce_scatter_tensor(shard, flat, async_op=True)
+        work = dist.reduce_scatter_single(shard, flat, async_op=True)
         if self.queues.is_cuda:
             with self.queues.on(self.queues.d2h):
                 work.wait()  # the D2H stream waits for the collective; the host does not

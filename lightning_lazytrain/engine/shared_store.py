@@ -128,7 +128,7 @@ class SharedParamStore(HostParamStore):
         padded = self.padded_view(unit)
         if topo.num_nodes > 1:
             gathered = torch.empty(topo.num_nodes * lay.shard, dtype=self.stream_dtype)
-            dist.all_gather_into_tensor(gathered, padded[lay.start : lay.stop], group=topo.cross_group)
+            dist.all_gather_single(gathered, padded[lay.start : lay.stop], group=topo.cross_group)
             size = lay.shard
             for n, rank in enumerate(topo.cross_ranks):
                 if rank != topo.rank:
@@ -178,8 +178,9 @@ def _check_same_weights(labels: list[str], units: list[list[ParamEntry]], topo: 
     sums = torch.tensor([[sum(float(e.param.data.double().sum()) for e in u),
                           sum(float(e.param.data.double().square().sum()) for e in u)] for u in units],
                         dtype=torch.float64)
-    every = torch.empty((topo.world_size, *sums.shape), dtype=torch.float64)
-    dist.all_gather_into_tensor(every, sums, group=topo.host_group)
+    every = torch.empty((topo.world_size * sums.shape[0], 2), dtype=torch.float64)
+    dist.all_gather_single(every, sums, group=topo.host_group)
+    every = every.view(topo.world_size, -1, 2)
     close = torch.isclose(every, every[0:1], rtol=1e-9, atol=1e-12).all(dim=2)
     if not bool(close.all()):
         rank, unit = (int(i) for i in (~close).nonzero()[0])
