@@ -25,7 +25,7 @@ from helpers import batches, loader, rel_diff, tiny_model, train, update_rel_dif
 from transformers import AutoModelForCausalLM
 
 from lightning_lazytrain.schedule import admission_report
-from lightning_lazytrain.sharded_checkpoint import export_sharded_hf
+from lightning_lazytrain.sharded_checkpoint import consolidate, export_sharded_hf
 
 TESTS = Path(__file__).resolve().parent
 CLIP = 0.05
@@ -200,3 +200,32 @@ def test_admission_counts_the_shared_copy_once_and_a_share_of_the_rest(precision
     assert half_host.pieces["streamed copy (shared, once per host)"] == streamed
     assert half_host.need - streamed == (one.need - streamed) // 2
     assert ("master weight shards" in half_host.pieces) == (precision == "bf16-mixed")
+
+
+def test_bf16_mixed_two_processes_within_bf16_noise(start, reference, tmp_path):
+    """bf16-mixed: fp32 master shards of their own, the bf16 copy shared and written by the update kernel.
+
+    Two processes cannot agree with one to fp32 rounding here (the reduce-scatter sums bf16 gradients), so the
+    tolerance is the bf16 noise floor: how far a one-process bf16-mixed run is from the fp32 reference."""
+    run = _launch(tmp_path, "--clip", str(CLIP), "--steps", str(STEPS), "--precision", "bf16-mixed",
+                  "--ckpt-dir", str(tmp_path / "ckpt"))
+    one = HybridModule(copy.deepcopy(start))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="lazytrain", precision="bf16-mixed", max_steps=STEPS,
+                         gradient_clip_val=CLIP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(one, loader(_global_batches()))
+    # the fp32 masters (the module's parameters are the bf16 copy, whose rounding alone is ~ the noise floor)
+    masters = consolidate(tmp_path / "ckpt" / "epoch=1-step=3.ckpt")
+    got = copy.deepcopy(start)
+    got.load_state_dict(masters)
+    streamed = _weights(run, start)
+    assert all(masters[k].dtype == torch.float32 for k in masters)
+    assert all(torch.equal(masters[k].bfloat16(), v.bfloat16()) for k, v in streamed.state_dict().items())
+    noise = update_rel_diff(start, one.model, reference.model)
+    assert 0 < noise < 0.5
+    assert update_rel_diff(start, got, one.model) <= noise
+    info = _info(run, 0)
+    assert info["params_view_shared"] and not info["masters_view_shared"]
+    params = sum(p.numel() for p in start.parameters())
+    assert info["host_pieces"]["streamed copy (shared, once per host)"] == 2 * params
+    assert info["host_pieces"]["master weight shards"] == 4 * params
