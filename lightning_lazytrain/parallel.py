@@ -92,12 +92,13 @@ class ProcessGroupStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         device = self.root_device
         backend = "nccl" if device.type == "cuda" else "gloo"
-        kwargs: dict[str, Any] = {"timeout": timedelta(seconds=self.timeout_s)}
+        timeout = timedelta(seconds=self.timeout_s)
+        kwargs: dict[str, Any] = {"timeout": timeout}
         if device.type == "cuda":
             kwargs["device_id"] = device
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
         self.topology = build_topology(self.global_rank, self.world_size, self.local_rank, self.node_rank,
-                                       self.num_nodes)
+                                       self.num_nodes, timeout)
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         if isinstance(tensor, torch.Tensor):

@@ -147,6 +147,10 @@ class SharedParamStore(HostParamStore):
         return {u.label: u.master.clone() if self.masters_are_shared else u.master for u in self.units}
 
     def load_shard_state(self, state: dict[str, torch.Tensor]) -> None:
+        missing = [u.label for u in self.units if u.label not in state]
+        if missing:
+            raise ValueError(f"the checkpoint holds no shard of {missing[0]}: it was not saved by a multi-process"
+                             " lazytrain run; load it into the model before training (its weights) instead")
         for unit in self.units:
             saved = state[unit.label]
             if saved.shape != unit.master.shape:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -39,7 +40,8 @@ class Topology:
             dist.barrier(group=self.local_group)
 
 
-def build_topology(rank: int, world_size: int, local_rank: int, node_rank: int, num_nodes: int) -> Topology:
+def build_topology(rank: int, world_size: int, local_rank: int, node_rank: int, num_nodes: int,
+                   timeout: timedelta) -> Topology:
     """Make the gloo groups (every rank must call this, in the same order) and agree on a run token.
 
     Ranks must be numbered machine by machine (``rank = node_rank * local_world + local_rank``), as Lightning's
@@ -54,13 +56,14 @@ def build_topology(rank: int, world_size: int, local_rank: int, node_rank: int, 
             f" local rank {local_rank} with {local_world} processes per machine"
         )
     topo = Topology(rank, world_size, local_rank, local_world, node_rank, num_nodes)
-    topo.host_group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    topo.host_group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo",
+                                                                                           timeout=timeout)
     for n in range(num_nodes):
-        group = dist.new_group([n * local_world + j for j in range(local_world)], backend="gloo")
+        group = dist.new_group([n * local_world + j for j in range(local_world)], backend="gloo", timeout=timeout)
         if n == node_rank:
             topo.local_group = group
     for j in range(local_world):
-        group = dist.new_group([n * local_world + j for n in range(num_nodes)], backend="gloo")
+        group = dist.new_group([n * local_world + j for n in range(num_nodes)], backend="gloo", timeout=timeout)
         if j == local_rank:
             topo.cross_group = group
     # A fresh name for this run's shared-memory files, so a crashed run's leftovers are never opened.
