@@ -84,7 +84,8 @@ class NullUpdate(torch.optim.Optimizer):
 
 
 class BenchModule(pl.LightningModule):
-    """optimizer: 'adamw' (torch, fused), 'hybrid0' / 'hybrid1' (HybridAdamW, 8-bit fraction 0 / 1), 'null'."""
+    """optimizer: 'adamw' (torch, fused), 'hybrid0' / 'hybrid1' (HybridAdamW, 8-bit fraction 0 / 1), 'deepspeed'
+    (DeepSpeedCPUAdam), 'null'."""
 
     def __init__(self, model, optimizer: str = "adamw") -> None:
         super().__init__()
@@ -98,6 +99,10 @@ class BenchModule(pl.LightningModule):
         kw = dict(lr=1e-5, weight_decay=0.01)
         if self.optimizer_name == "null":
             return NullUpdate(self.parameters())
+        if self.optimizer_name == "deepspeed":
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            return DeepSpeedCPUAdam(self.parameters(), **kw)
         if self.optimizer_name.startswith("hybrid"):
             from lightning_lazytrain.optim import HybridAdamW
 
@@ -114,6 +119,7 @@ class StepTimer(pl.Callback):
         self._open: list[torch.cuda.Event] = []
         self.stats: list[dict] = []
         self.rss_max = 0
+        self.plan = None
 
     def _event(self) -> torch.cuda.Event:
         event = torch.cuda.Event(enable_timing=True)
@@ -130,6 +136,7 @@ class StepTimer(pl.Callback):
         self._open.append(self._event())
         self.marks.append(tuple(self._open))
         self.stats.append(dict(getattr(trainer.strategy, "last_step_stats", {}) or {}))
+        self.plan = getattr(getattr(trainer.strategy, "executor", None), "plan", None)
         self.rss_max = max(self.rss_max, psutil.Process().memory_info().rss)
 
     def summary(self, warmup: int) -> dict:

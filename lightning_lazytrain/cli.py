@@ -3,18 +3,28 @@
 ``lazytrain fit --config recipes/demo.yaml`` trains; ``validate``/``test``/``predict`` evaluate; ``--print_config``
 shows the merged config. With a subcommand but no ``--config`` the demo recipe is used, so ``lazytrain fit`` alone
 runs the CPU demo from a source checkout.
+
+Bad input ends the process with exit code 2 and a message, not a traceback: unknown keys and wrong types are
+refused by the config parser, the data settings and path are checked before the model is built, and a bad data
+file found at setup (a ``DataError``) is reported the same way.
 """
 
 from __future__ import annotations
 
 import sys
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
+import yaml
 from lightning.pytorch.cli import LightningCLI
+from omegaconf.errors import OmegaConfBaseException
 
 # Importing the package is what registers the "lazytrain" strategy names in Lightning's StrategyRegistry; it must
 # happen before LightningCLI resolves `trainer.strategy`.
 import lightning_lazytrain  # noqa: F401
+from lightning_lazytrain.data.errors import DataError, DataSettingError
+from lightning_lazytrain.data.settings import check_settings
 from lightning_lazytrain.data.sft import SFTDataModule
 from lightning_lazytrain.export import export_hf
 from lightning_lazytrain.module import CausalLMModule
@@ -22,6 +32,8 @@ from lightning_lazytrain.module import CausalLMModule
 #: the recipe used when no --config is given (present in a source checkout; recipes/ sits at the repo root)
 DEMO_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "demo.yaml"
 _SUBCOMMANDS = ("fit", "validate", "test", "predict")
+# config sections holding a class's arguments; the parser silently skips one that is a number, bool or list
+_GROUPS = ("model", "data", "trainer")
 
 
 def keep_freed_memory_in_heap() -> bool:
@@ -60,6 +72,11 @@ class LazyTrainCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         cfg = self.config[self.subcommand] if self.subcommand else self.config
+        # the model is built next (minutes for a large checkpoint): learn about a wrong data path or setting first
+        try:
+            check_settings(cfg.get("data") or {}, check_path=True)
+        except DataSettingError as exc:  # name the key as the config spells it
+            raise DataSettingError(f"data.{exc.field}", exc.problem, exc.fix) from None
         if cfg.get("cpu_heap_cache") and cfg.get("trainer", {}).get("accelerator") == "cpu":
             keep_freed_memory_in_heap()
 
@@ -76,17 +93,60 @@ def _with_default_config(args: list[str]) -> list[str]:
     return args
 
 
+def _config_paths(args: list[str]) -> Iterator[str]:
+    for i, arg in enumerate(args):
+        if arg in ("--config", "-c") and i + 1 < len(args):
+            yield args[i + 1]
+        elif arg.startswith("--config="):
+            yield arg.split("=", 1)[1]
+
+
+def config_problem(args: list[str]) -> str | None:
+    """What is wrong with a ``--config`` file that the parser would ignore or report without naming the file."""
+    for path in _config_paths(args):
+        try:
+            cfg = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            continue  # the parser reports these itself, naming the file and the line
+        if cfg is None:
+            return f"{path}: the config file is empty; give it at least one section (model, data, trainer)"
+        if not isinstance(cfg, dict):
+            return f"{path}: a config file is a mapping of sections (model, data, trainer), got a {type(cfg).__name__}"
+        for group in _GROUPS:
+            value = cfg.get(group)
+            if value is not None and not isinstance(value, (dict, str)):
+                return (f"{path}: '{group}' must be a mapping of its settings (or a path to a config file), got "
+                        f"{type(value).__name__} {value!r}")
+    return None
+
+
+def _fail(message: str) -> None:
+    print(f"lazytrain: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main(args: list[str] | None = None) -> LightningCLI:
     """Entry point of ``lazytrain``; ``args`` (without the program name) default to ``sys.argv[1:]``."""
     argv = _with_default_config(list(sys.argv[1:] if args is None else args))
-    return LazyTrainCLI(
-        CausalLMModule,
-        SFTDataModule,
-        args=argv,
-        seed_everything_default=42,  # the paper's seed
-        save_config_kwargs={"overwrite": True},
-        parser_kwargs={"parser_mode": "omegaconf"},
-    )
+    problem = config_problem(argv)
+    if problem:
+        _fail(problem)
+    with warnings.catch_warnings():
+        # we pass sys.argv on as `args` (to insert the demo config), which LightningCLI warns about as a mistake
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+        try:
+            return LazyTrainCLI(
+                CausalLMModule,
+                SFTDataModule,
+                args=argv,
+                seed_everything_default=42,  # the paper's seed
+                save_config_kwargs={"overwrite": True},
+                parser_kwargs={"parser_mode": "omegaconf"},
+            )
+        except DataError as exc:
+            _fail(str(exc))
+        except OmegaConfBaseException as exc:  # e.g. an ${interpolation} of a key that does not exist
+            _fail(f"in the config: {exc}".strip())
 
 
 if __name__ == "__main__":

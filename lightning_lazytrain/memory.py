@@ -12,6 +12,7 @@ import psutil
 import torch
 
 from lightning_lazytrain.engine import StreamingExecutor
+from lightning_lazytrain.engine.device import device_free_bytes
 from lightning_lazytrain.schedule import AdmissionReport, admission_report
 
 
@@ -62,7 +63,7 @@ def admission(executor: StreamingExecutor, optimizer: torch.optim.Optimizer | No
         held = held * ranks_per_host + shared.numel() * shared.element_size()
     gpu_kw = {}
     if executor.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(executor.device)
+        free = device_free_bytes(executor.device)
         slots = executor.pool.nbytes
         resident = 2 * executor._resident_buf.numel() * executor._resident_buf.element_size()
         gpu_kw = dict(gpu_have_bytes=free + slots + resident, gpu_slot_bytes=slots, gpu_resident_bytes=resident)

@@ -13,9 +13,9 @@ import shutil
 from dataclasses import dataclass
 
 import psutil
-import torch
 
 from lightning_lazytrain.engine import StackPlan, StreamingExecutor
+from lightning_lazytrain.engine.device import device_free_bytes
 from lightning_lazytrain.schedule import Schedule, build_problem, profile_model, solve
 
 log = logging.getLogger(__name__)
@@ -88,8 +88,7 @@ def budgets(settings: PlanSettings, executor: StreamingExecutor) -> tuple[int, i
     if settings.gpu_activation_gib is not None:
         gpu = int(settings.gpu_activation_gib * GIB)
     elif executor.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(executor.device)
-        gpu = int(free * 0.5)
+        gpu = int(device_free_bytes(executor.device) * 0.5)
     else:
         gpu = int(psutil.virtual_memory().available * 0.25)
     cpu = int(settings.cpu_activation_gib * GIB) if settings.cpu_activation_gib is not None else int(

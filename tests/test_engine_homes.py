@@ -114,7 +114,7 @@ def test_unwritable_spill_dir_is_refused(tmp_path, monkeypatch):
         raise PermissionError(errno.EACCES, "Permission denied", kw["dir"])
 
     monkeypatch.setattr(spill_mod.tempfile, "mkdtemp", denied)
-    with pytest.raises(SpillError, match=f"cannot create its folder in spill_dir '{tmp_path}'.*writable"):
+    with pytest.raises(SpillError, match=f"spill_dir '{tmp_path}': cannot create the run's folder.*writable"):
         make(["gpu", "nvme", "gpu"], str(tmp_path))
 
 
@@ -142,10 +142,10 @@ def test_disk_full_names_dir_bytes_free_and_fix_and_leaves_no_file(tmp_path, mon
     with pytest.raises(SpillError) as info:
         store.flush()
     msg = str(info.value)
-    assert str(tmp_path) in msg and "4000 bytes" in msg and "bytes" in msg.split("free")[0]
-    assert "free" in msg and "larger disk" in msg and "NVMe activation budget" in msg
+    assert str(tmp_path) in msg and "asked for 4000 bytes" in msg and "bytes (" in msg.split("available")[0]
+    assert "larger disk" in msg and "nvme_activation_gib below the free space" in msg and "'nvme' homes" in msg
     assert spill_files(store) == []
-    with pytest.raises(SpillError, match="out of disk space"):  # surfaces at the next put of the forward too
+    with pytest.raises(SpillError, match="is full"):  # surfaces at the next put of the forward too
         store.put(2, torch.randn(10))
     with pytest.raises(SpillError, match="boundary 1"):
         store.get(1)

@@ -15,14 +15,13 @@ from torch.utils.data import DataLoader, Dataset
 from transformers import PreTrainedTokenizerBase
 
 from lightning_lazytrain.data.answers import reference_answer
-from lightning_lazytrain.data.demo_math import DEMO_MATH_PATH
+from lightning_lazytrain.data.errors import EmptyDataError
 from lightning_lazytrain.data.formats import FieldMap, Record, read_records
+from lightning_lazytrain.data.settings import DEMO_DATA, check_settings, resolve_data_path
 from lightning_lazytrain.data.tokenizer import load_tokenizer
 
 #: label value that cross-entropy ignores (the prompt, padding)
 IGNORE_INDEX = -100
-#: ``data_path`` value that selects the shipped demo arithmetic set
-DEMO_DATA = "demo"
 
 
 @dataclass
@@ -190,11 +189,15 @@ class SFTDataModule(pl.LightningDataModule):
         tokenizer: model name or local path to take the tokenizer from; ``None`` uses the offline Qwen tokenizer.
         data_format: ``"metamath"`` (prompt_key/response_key), ``"alpaca"`` (instruction/input/output), ``"custom"``
             (the keys below), ``"auto"`` (the keys below, alpaca when a row has instruction+output instead).
-        max_seq_length: tokens per sample after the chat template; longer samples lose their tail.
+        max_seq_length: tokens per sample after the chat template; longer samples lose their tail, and samples whose
+            prompt alone fills it are dropped (counted in ``skipped``, with a warning).
         val_fraction: held-out share (the paper's 70/30 split is 0.3), split by a seeded shuffle.
         max_samples: keep only this many records (taken from the shuffled order, before the split).
         packing: pack several training samples per row (validation is never packed: it needs each prompt).
         max_eval_samples: cap on held-out samples the validation loop sees (generation is slow); ``None`` = all.
+
+    Bad arguments raise :class:`DataSettingError` here; bad or missing data raise another :class:`DataError` at
+    ``setup``, as does a set with no trainable sample left (or no held-out one when ``val_fraction > 0``).
     """
 
     def __init__(
@@ -219,7 +222,8 @@ class SFTDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.data_path = str(DEMO_MATH_PATH) if data_path == DEMO_DATA else data_path
+        check_settings(self.hparams)
+        self.data_path = str(resolve_data_path(data_path))
         self.fields = FieldMap.for_format(data_format, prompt_key, response_key, input_key)
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self.train_set: SFTDataset | None = None
@@ -255,8 +259,23 @@ class SFTDataModule(pl.LightningDataModule):
                 f"fills max_seq_length={hp.max_seq_length} (no response token would be trained on)",
                 stacklevel=2,
             )
+        if not train_idx:
+            raise EmptyDataError(f"no training sample: max_samples={hp.max_samples} at val_fraction={hp.val_fraction}"
+                                 " leaves none for training", "Raise max_samples or lower val_fraction",
+                                 source=self.data_path)
         if not train:
-            raise ValueError(f"{self.data_path}: no training samples left (records: {len(records)})")
+            raise EmptyDataError(
+                f"no training sample left: all {len(train_idx)} have a prompt that fills max_seq_length="
+                f"{hp.max_seq_length} tokens with the chat template, so no response token would be trained on",
+                "Raise max_seq_length or shorten the prompts", source=self.data_path)
+        if not val and hp.val_fraction > 0 and hp.max_eval_samples != 0:
+            if val_idx:
+                why = f"all {len(val_idx)} have a prompt that fills max_seq_length={hp.max_seq_length}"
+            else:
+                why = f"val_fraction={hp.val_fraction} of {len(records)} records (max_samples={hp.max_samples}) is none"
+            raise EmptyDataError(f"no held-out sample left: {why}",
+                                 "Raise max_seq_length / max_samples, or set val_fraction=0 to train without "
+                                 "validation", source=self.data_path)
         self.train_set = SFTDataset(pack_examples(train, hp.max_seq_length) if hp.packing else train)
         self.val_set = SFTDataset(val)
 

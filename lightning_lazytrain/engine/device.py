@@ -90,3 +90,11 @@ def host_wait(event: torch.cuda.Event | None, what: str, timeout_s: float) -> No
             raise TimeoutError(f"lazytrain waited {timeout_s:.0f} s for {what} to finish on the GPU; giving up.")
         time.sleep(pause)
         pause = min(pause * 2, 1e-3)
+
+
+def device_free_bytes(device: torch.device) -> int:
+    """Free device memory as this process may use it: a ``set_per_process_memory_fraction`` cap (a smaller GPU
+    emulated, or a share left to another process) bounds it below what the driver reports free."""
+    free, total = torch.cuda.mem_get_info(device)
+    fraction = torch.cuda.get_per_process_memory_fraction(device)
+    return int(max(0, min(free, fraction * total - torch.cuda.memory_reserved(device))))

@@ -19,7 +19,7 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from lightning_lazytrain.engine.binding import bound, leaves_of
-from lightning_lazytrain.engine.device import DeviceQueues
+from lightning_lazytrain.engine.device import DeviceQueues, device_free_bytes
 from lightning_lazytrain.engine.direct_grads import DirectGradSink
 from lightning_lazytrain.engine.grads import GradSink
 from lightning_lazytrain.engine.homes import ActivationHomes
@@ -122,7 +122,7 @@ class StreamingExecutor:
             return
         item = torch.empty((), dtype=dtype).element_size()
         need = (slots * slot_numel + 2 * self.resident_unit.numel) * item
-        free, _ = torch.cuda.mem_get_info(self.device)
+        free = device_free_bytes(self.device)
         if need > free:
             raise DeviceTooSmallError(
                 f"{slots} weight slots of {slot_numel * item / 2**30:.2f} GiB plus the resident embedding/head"

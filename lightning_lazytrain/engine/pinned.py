@@ -2,11 +2,28 @@
 
 ``cudaHostRegister`` of an ordinary allocation pins about 6x faster than ``torch.empty(pin_memory=True)`` on the
 H200 host (0.11 vs 0.6-0.9 s per GiB, REFERENCE.md), so that is tried first; the torch allocator is the fallback.
+When both fail the error (:class:`~lightning_lazytrain.faults.PinnedMemoryError`) says how much was asked and what
+to change.
 """
 
 from __future__ import annotations
 
 import torch
+
+from lightning_lazytrain.faults import pin_failed
+
+
+def _register(tensor: torch.Tensor, nbytes: int) -> bool:
+    """Page-lock ``tensor``'s memory in place; False when CUDA refuses (module level: tests simulate a refusal)."""
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+    except (AttributeError, RuntimeError):
+        return False
+    return int(err) == 0 if not hasattr(err, "value") else err.value == 0
+
+
+def _pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(numel, dtype=dtype, pin_memory=True)
 
 
 class PinnedAllocator:
@@ -20,31 +37,26 @@ class PinnedAllocator:
             return torch.empty(numel, dtype=dtype)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         tensor = torch.empty(numel, dtype=dtype)
-        if not self.register(tensor):
+        if _register(tensor, nbytes):
+            self._registered.append(tensor)
+        else:
             try:
-                tensor = torch.empty(numel, dtype=dtype, pin_memory=True)
+                tensor = _pinned_empty(numel, dtype)
             except RuntimeError as exc:
-                raise MemoryError(
-                    f"lazytrain could not pin {nbytes / 2**30:.2f} GiB of host memory ({self.pinned_bytes / 2**30:.2f}"
-                    " GiB pinned so far). Free host RAM, lower the model size, or use precision='bf16-true'."
-                ) from exc
-            self.pinned_bytes += nbytes
+                raise pin_failed(nbytes, self.pinned_bytes, exc) from exc
+        self.pinned_bytes += nbytes
         return tensor
 
     def register(self, tensor: torch.Tensor) -> bool:
-        """Pin memory that already exists (e.g. a shared-memory mapping); False when CUDA refuses."""
+        """Pin memory that already exists (a shared-memory mapping) in place; False when CUDA refuses."""
         if not self.enabled or tensor.numel() == 0:
             return False
         nbytes = tensor.numel() * tensor.element_size()
-        try:
-            err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
-            ok = int(err) == 0 if not hasattr(err, "value") else err.value == 0
-        except (AttributeError, RuntimeError):
-            ok = False
-        if ok:
-            self._registered.append(tensor)
-            self.pinned_bytes += nbytes
-        return ok
+        if not _register(tensor, nbytes):
+            return False
+        self._registered.append(tensor)
+        self.pinned_bytes += nbytes
+        return True
 
     def release(self) -> None:
         for tensor in self._registered:

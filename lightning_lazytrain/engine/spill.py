@@ -1,8 +1,9 @@
 """This process's folder in the user's spill directory: raw-byte files for boundaries that live on NVMe.
 
 Each process writes into its own ``<spill_dir>/lazytrain-<pid>-<random>`` folder, removed at teardown; a run that
-was killed cannot do that, so every start removes the folders of processes that are no longer alive. Errors name
-the spill directory and say what to change, because the user chose the disk and the NVMe budget.
+was killed cannot do that, so every start removes the folders of processes that are no longer alive. Errors are
+``SpillError`` s built in :mod:`lightning_lazytrain.faults`: they name the spill directory, the bytes asked and free,
+and say what to change, because the user chose the disk and the NVMe budget.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import re
 import shutil
 import tempfile
 
+from lightning_lazytrain import faults
+from lightning_lazytrain.faults import SpillError
+
+__all__ = ["SpillDir", "SpillError", "remove_dead_leftovers"]
+
 _FOLDER = re.compile(r"^lazytrain-(\d+)-")
-
-
-class SpillError(RuntimeError):
-    """The spill directory cannot take (or give back) a boundary: missing, unwritable, full, or unreadable."""
 
 
 def _pid_alive(pid: int) -> bool:
@@ -60,15 +62,13 @@ class SpillDir:
         # A missing folder is refused, not created: it is often an unmounted disk, and creating it would spill onto
         # the root file system instead.
         if not os.path.isdir(spill_dir):
-            raise SpillError(f"lazytrain spill_dir {spill_dir!r} does not exist or is not a directory; create it on "
-                             "a fast local disk (NVMe) or pass another spill_dir")
+            raise faults.spill_dir_missing(spill_dir)
         self.spill_dir = spill_dir
-        remove_dead_leftovers(spill_dir)
         try:
+            remove_dead_leftovers(spill_dir)
             self.root = tempfile.mkdtemp(prefix=f"lazytrain-{os.getpid()}-", dir=spill_dir)
         except OSError as exc:
-            raise SpillError(f"lazytrain cannot create its folder in spill_dir {spill_dir!r}: {exc}. Make it "
-                             "writable for this user or choose another spill_dir.") from exc
+            raise faults.spill_dir_unusable(spill_dir, exc) from exc
 
     def path(self, name: str) -> str:
         return os.path.join(self.root, name)
@@ -84,7 +84,7 @@ class SpillDir:
                 os.close(fd)
         except OSError as exc:
             self.remove(name)  # a partial file would only waste the disk that just ran out
-            raise self._write_error(path, len(data), what, exc) from exc
+            raise faults.spill_write_failed(self.spill_dir, self.root, what, len(data), exc) from exc
 
     def read(self, name: str, data: memoryview, what: str) -> None:
         """Fill ``data`` from file ``name`` and delete the file (each spill is read back once)."""
@@ -97,20 +97,10 @@ class SpillDir:
                 os.close(fd)
             os.remove(path)
         except OSError as exc:
-            raise SpillError(f"lazytrain could not read {what} back from {path!r}: {exc}") from exc
+            raise faults.spill_read_failed(self.spill_dir, self.root, what, len(data), exc) from exc
 
     def remove(self, name: str) -> None:
         try:
             os.remove(self.path(name))
         except FileNotFoundError:
             pass
-
-    def _write_error(self, path: str, nbytes: int, what: str, exc: OSError) -> SpillError:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            free = shutil.disk_usage(self.spill_dir).free
-            return SpillError(
-                f"lazytrain ran out of disk space in spill_dir {self.spill_dir!r} writing {what}: asked for {nbytes} "
-                f"bytes ({nbytes / 2**30:.3f} GiB), {free} bytes ({free / 2**30:.3f} GiB) free. Point spill_dir at "
-                "a larger disk, or lower the NVMe activation budget so fewer boundaries spill."
-            )
-        return SpillError(f"lazytrain could not write {what} to {path!r} in spill_dir {self.spill_dir!r}: {exc}")

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import socket
 import tempfile
 import time
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_lazytrain.faults import spill_write_failed
 from lightning_lazytrain.models.adapter import ModelAdapter
 
 PROFILE_VERSION = 1
@@ -230,11 +232,21 @@ def _measure_link_cuda(device: torch.device, nbytes: int = LINK_PROBE_BYTES, rep
 def measure_disk(spill_dir: str, nbytes: int) -> tuple[float, float]:
     """(read, write) bytes/s of a temp file in ``spill_dir``: write + fsync, drop it from the page cache, read.
 
-    The file is removed before returning, also on error.
+    The file is removed before returning, also on error; a full or failing disk raises a ``SpillError``.
     """
     os.makedirs(spill_dir, exist_ok=True)
+    # a speed probe must not be what fills a small spill disk: a quarter of its free space at most
+    nbytes = max(1, min(nbytes, shutil.disk_usage(spill_dir).free // 4))
     chunk = min(nbytes, 16 << 20)
     buf = os.urandom(chunk)
+    try:
+        return _probe(spill_dir, nbytes, buf)
+    except OSError as exc:
+        raise spill_write_failed(spill_dir, spill_dir, "the disk-speed probe", nbytes, exc) from exc
+
+
+def _probe(spill_dir: str, nbytes: int, buf: bytes) -> tuple[float, float]:
+    chunk = len(buf)
     fd, path = tempfile.mkstemp(prefix=".lazytrain-probe-", suffix=".bin", dir=spill_dir)
     try:
         t0 = time.perf_counter()

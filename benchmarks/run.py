@@ -1,0 +1,179 @@
+"""The benchmark suite: lazytrain against what a user would pick instead, through one Lightning ``Trainer`` and one
+LightningModule, random-init Qwen2.5 shapes, seq 1024, bf16, under emulated GPU memory caps.
+
+    python benchmarks/run.py --models qwen2.5-3b --systems all --batches 8 --out benchmarks/results/h200.json
+    python benchmarks/run.py --models qwen2.5-7b --systems lazytrain --caps 80 24 --batches max
+
+``--batches max`` searches the largest batch under the cap: candidates from the largest down; a candidate that
+admission control or the plan refuses before step 1 (or that runs out of memory in it) is recorded and the next
+smaller one is run. ``--merge FILE`` keeps the runs of an earlier call (same system, model, batch, cap: replaced).
+Each finished run is written at once, so a call cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import traceback
+
+import torch
+from common import RandomTokens, StepTimer, cap_gpu_memory, commit, machine, model_flops_per_token, qwen_config, run_fit
+from systems import SYSTEMS, build, work_ratio
+
+import lightning_lazytrain  # noqa: F401
+
+SEQ = 1024
+MAX_CANDIDATES = {80.0: (64, 48, 32, 24, 16, 8), 24.0: (32, 24, 16, 12, 8, 4)}
+FIT_FAILURES = ("OutOfMemory", "out of memory", "AdmissionError", "InfeasibleSchedule", "DeviceTooSmall")
+
+
+def _num_params(shape: str) -> int:
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(qwen_config(shape))
+    return sum(p.numel() for p in model.parameters())
+
+
+def _fit(system: str, shape: str, batch: int, steps: int, timer: StepTimer, host_cache: dict, fp32_adamw: bool):
+    run = build(system, shape, batch, host_cache, fp32_adamw=fp32_adamw)
+    try:
+        run_fit(run.module, run.strategy, run.precision, RandomTokens(steps, batch, SEQ), timer, **run.trainer_kw)
+    finally:
+        gc.collect()
+    return run
+
+
+def _failed(row: dict, exc: Exception) -> dict:
+    """A run that cannot fit or fails records why, and the suite goes on."""
+    traceback.print_exc(limit=4)
+    gc.collect()
+    torch.cuda.empty_cache()
+    row["status"] = f"{type(exc).__name__}: {exc}"[:600]
+    return row
+
+
+def one_run(system: str, shape: str, batch: int, cap: float | None, steps: int, warmup: int,
+            host_cache: dict) -> dict:
+    row = {"system": system, "model": shape, "batch": batch, "seq": SEQ, "gpu_cap_gib": cap, "commit": commit(),
+           "command": " ".join(["python", *sys.argv])}
+    gc.collect()
+    torch.cuda.empty_cache()
+    cap_gpu_memory(cap if cap is not None else 1e9)
+    torch.cuda.reset_peak_memory_stats()
+    timer = StepTimer()
+    try:
+        run = _fit(system, shape, batch, steps, timer, host_cache, fp32_adamw=True)
+    except Exception as exc:
+        if system == "lazytrain-interval4" and type(exc).__name__ == "AdmissionError":
+            timer = StepTimer()  # the MegaTrain policy with fp32 states does not fit this host: 8-bit states
+            try:
+                run = _fit(system, shape, batch, steps, timer, host_cache, fp32_adamw=False)
+            except Exception as exc2:
+                return _failed(row, exc2)
+        else:
+            return _failed(row, exc)
+    s = timer.summary(warmup)
+    engine = s["engine"]
+    tokens = batch * SEQ
+    fpt = model_flops_per_token(qwen_config(shape), _num_params(shape), SEQ)
+    ratio = work_ratio(system, timer.plan)
+    stall = engine.get("stall_s", 0.0)
+    waits = engine.get("update_wait_s", 0.0)
+    schedule = getattr(run.strategy, "schedule_result", None)
+    row.update({
+        "status": "ok", "optimizer": run.optimizer, "note": run.note, "step_s": s["step_s"],
+        "tokens_per_s": tokens / s["step_s"], "model_tflops": fpt * tokens / s["step_s"] / 1e12,
+        "executed_tflops": fpt * tokens * ratio / s["step_s"] / 1e12, "work_ratio": ratio,
+        "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30, "host_peak_gib": s["host_rss_max_gib"],
+        "stall_fraction": stall / s["step_s"], "predicted_exposed_s": engine.get("predicted_exposed_s"),
+        "breakdown": {"compute_s": max(0.0, s["step_s"] - stall - waits - s["optimizer_s"]),
+                      "h2d_d2h_wait_s": stall, "update_wait_s": waits, "optimizer_after_backward_s": s["optimizer_s"]},
+        "steps_timed": s["steps_timed"], "engine": engine,
+        "plan": schedule.counts() if schedule is not None else None,
+    })
+    return row
+
+
+def search(system: str, shape: str, cap: float | None, steps: int, warmup: int, host_cache: dict) -> dict:
+    tried = []
+    for batch in MAX_CANDIDATES.get(cap, MAX_CANDIDATES[80.0]):
+        row = one_run(system, shape, batch, cap, steps, warmup, host_cache)
+        if row["status"] == "ok":
+            return {**row, "requested_batch": "max", "refused_batches": tried}
+        if not any(k in row["status"] for k in FIT_FAILURES):
+            return {**row, "requested_batch": "max", "refused_batches": tried}
+        tried.append({"batch": batch, "status": row["status"][:200]})
+    return {**row, "requested_batch": "max", "refused_batches": tried, "status": "no candidate batch fits"}
+
+
+def _key(r: dict) -> tuple:
+    return r["system"], r["model"], str(r.get("requested_batch", r["batch"])), r["gpu_cap_gib"]
+
+
+def save(path: str, runs: list[dict]) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"machine": machine(), "seq": SEQ, "runs": runs}, f, indent=2)
+    os.replace(tmp, path)
+
+
+def print_table(runs: list[dict]) -> None:
+    print(f"{'system':30} {'model':12} {'cap':>4} {'batch':>5} {'step s':>7} {'TFLOPS':>7} {'exec':>7} {'GPU GiB':>7}"
+          f" {'host GiB':>8} {'stall':>6}")
+    for r in runs:
+        head = f"{r['system']:30} {r['model']:12} {str(r['gpu_cap_gib']):>4} {r['batch']:>5}"
+        if r["status"] != "ok":
+            print(f"{head} {r['status'][:70]}")
+            continue
+        print(f"{head} {r['step_s']:7.2f} {r['model_tflops']:7.1f} {r['executed_tflops']:7.1f} {r['gpu_peak_gib']:7.1f}"
+              f" {r['host_peak_gib']:8.1f} {r['stall_fraction']:6.3f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", nargs="+", default=["qwen2.5-3b"])
+    parser.add_argument("--systems", nargs="+", default=["all"])
+    parser.add_argument("--caps", nargs="+", default=["80"], help="GiB, or 'none' for the whole GPU")
+    parser.add_argument("--batches", nargs="+", default=["8"],
+                        help="batch sizes, 'max' to search, 'same' for lazytrain's")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--out", default="benchmarks/results/h200.json")
+    parser.add_argument("--merge", default=None, help="an earlier results file whose runs are kept")
+    args = parser.parse_args()
+    systems = list(SYSTEMS) if args.systems == ["all"] else args.systems
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        parser.error(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
+    caps = [None if c == "none" else float(c) for c in args.caps]
+    runs: list[dict] = []
+    if args.merge and os.path.exists(args.merge):
+        with open(args.merge) as f:
+            runs = json.load(f)["runs"]
+    host_cache: dict = {}
+    for shape in args.models:
+        for system in systems:
+            for cap in [None] if system.startswith("gpu-resident") else caps:
+                for batch in args.batches:
+                    if batch == "same":  # the batch the lazytrain search found for this model and cap
+                        found = [r for r in runs if r["system"] == "lazytrain" and r["model"] == shape
+                                 and r["gpu_cap_gib"] == cap and r["status"] == "ok"]
+                        batch = str(found[-1]["batch"]) if found else "8"
+                    if batch == "max":
+                        row = search(system, shape, cap, args.steps, args.warmup, host_cache)
+                    else:
+                        row = one_run(system, shape, int(batch), cap, args.steps, args.warmup, host_cache)
+                    print(json.dumps({k: v for k, v in row.items() if k != "engine"}), flush=True)
+                    runs = [r for r in runs if _key(r) != _key(row)] + [row]
+                    save(args.out, runs)
+        host_cache.clear()
+    print_table(runs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""The systems of the benchmark suite: how each one builds its model, strategy, precision and optimizer.
+
+Every system trains the same ``BenchModule`` through the Lightning ``Trainer``; only what a user would change
+to switch trainers differs. ``work_ratio`` is executed over model FLOPs of the decoder stack (re-forwards of
+activation checkpointing and lazytrain's recompute blocks); the head is not re-run and is left out of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+from common import BenchModule, host_model, random_model
+
+from lightning_lazytrain import LazyTrainStrategy
+
+SYSTEMS = ("gpu-resident", "gpu-resident-ckpt", "lazytrain", "lazytrain-interval4", "lazytrain-interval4-overlap",
+           "fsdp-cpu-offload", "deepspeed-z3-offload")
+
+
+@dataclass
+class SystemRun:
+    module: BenchModule
+    strategy: object
+    precision: str
+    optimizer: str
+    trainer_kw: dict = field(default_factory=dict)
+    note: str = ""
+
+
+def _decoder_layer_class(model) -> type:
+    return type(model.model.layers[0])
+
+
+def _lazytrain_optimizer(model) -> str:
+    """fp32 states (the faster update) where masters, streamed copy, gradients and states (18 bytes per
+    parameter) fit in 80% of the host's RAM; all 8-bit states (12 bytes) otherwise."""
+    n = sum(p.numel() for p in model.parameters())
+    return "hybrid0" if 18 * n < 0.8 * psutil.virtual_memory().total else "hybrid1"
+
+
+def build(system: str, shape: str, batch: int, host_cache: dict, fp32_adamw: bool = True) -> SystemRun:
+    """``host_cache`` keeps one host model per shape for the lazytrain systems (they leave it unchanged);
+    the GPU-resident, FSDP and DeepSpeed systems get a fresh model each, since they move or wrap it."""
+    clip = {"gradient_clip_val": 1.0}
+    if system in ("gpu-resident", "gpu-resident-ckpt"):
+        model = random_model(shape, "cuda", torch.bfloat16)
+        if system == "gpu-resident-ckpt":
+            model.gradient_checkpointing_enable()
+        return SystemRun(BenchModule(model, "adamw"), "auto", "bf16-true", "torch AdamW (GPU)", clip)
+    if system.startswith("lazytrain"):
+        if shape not in host_cache:
+            host_cache.clear()
+            host_cache[shape] = host_model(shape)
+        model = host_cache[shape]
+        model.zero_grad(set_to_none=True)
+        hybrid = _lazytrain_optimizer(model)
+        label = f"HybridAdamW {'fp32' if hybrid == 'hybrid0' else '8-bit'} states"
+        if system == "lazytrain":
+            return SystemRun(BenchModule(model, hybrid), LazyTrainStrategy(schedule="milp"), "bf16-mixed",
+                             f"{label}, overlapped", clip)
+        if system == "lazytrain-interval4-overlap":
+            return SystemRun(BenchModule(model, hybrid), LazyTrainStrategy(schedule="interval:4"), "bf16-mixed",
+                             f"{label}, overlapped", clip)
+        opt = "adamw" if fp32_adamw else "hybrid1"
+        return SystemRun(BenchModule(model, opt), LazyTrainStrategy(schedule="interval:4", overlap_updates=False),
+                         "bf16-mixed", "torch AdamW fp32 (CPU), after backward" if fp32_adamw else
+                         "HybridAdamW 8-bit, after backward", clip,
+                         "" if fp32_adamw else "fp32 AdamW states refused by admission control; 8-bit states")
+    if system == "fsdp-cpu-offload":
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        model = host_model(shape)
+        layer = _decoder_layer_class(model)
+        strategy = FSDPStrategy(cpu_offload=True, auto_wrap_policy={layer}, activation_checkpointing_policy={layer})
+        return SystemRun(BenchModule(model, "adamw"), strategy, "bf16-mixed", "torch AdamW (CPU)", {},
+                         "unclipped: Lightning's FSDPPrecision refuses gradient_clip_algorithm='norm'")
+    if system == "deepspeed-z3-offload":
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        model = host_model(shape)
+        model.gradient_checkpointing_enable()
+        strategy = DeepSpeedStrategy(stage=3, offload_optimizer=True, offload_parameters=True,
+                                     logging_batch_size_per_gpu=batch)
+        return SystemRun(BenchModule(model, "deepspeed"), strategy, "bf16-mixed", "DeepSpeedCPUAdam", clip)
+    raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
+
+
+def work_ratio(system: str, plan) -> float:
+    """Executed / model FLOPs of the decoder stack: forward + backward is 3 forwards' worth of work; every layer
+    that does not keep its graph re-runs its forward with grad in the backward, and a recompute block re-runs
+    its inner layers once more without grad."""
+    if system in ("gpu-resident-ckpt", "fsdp-cpu-offload", "deepspeed-z3-offload"):
+        return 4 / 3
+    if plan is None:
+        return 1.0
+    extra = sum(e - s - 1 for s, e in plan.blocks())
+    reforward = plan.num_layers - plan.graph_layers
+    return (3 * plan.num_layers + reforward + extra) / (3 * plan.num_layers)
