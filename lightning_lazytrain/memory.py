@@ -36,19 +36,31 @@ def optimizer_state_bytes_per_param(optimizer: torch.optim.Optimizer | None, tra
     return 0.0, 0
 
 
-def admission(executor: StreamingExecutor, optimizer: torch.optim.Optimizer | None, precision: str) -> AdmissionReport:
+def admission(executor: StreamingExecutor, optimizer: torch.optim.Optimizer | None, precision: str,
+              ranks_per_host: int = 1, world_size: int = 1) -> AdmissionReport:
+    """Several processes (``world_size > 1``): ``optimizer`` is this rank's shard optimizer, and the report is
+    for the whole host: the shared streamed copy once, every local rank's private buffers ``ranks_per_host``
+    times (they are all the same size, up to padding)."""
     store = executor.store
     params = [e.param for u in store.units for e in u.unique]
     trainable = sum(p.numel() for p in params if p.requires_grad)
     frozen = sum(p.numel() for p in params if not p.requires_grad)
-    state_bpp, state_held = optimizer_state_bytes_per_param(optimizer, trainable)
+    shared = getattr(store, "shared", None)
+    if shared is not None and optimizer is not None:
+        state_bpp, state_held = optimizer_state_bytes_per_param(
+            optimizer, sum(p.numel() for g in optimizer.param_groups for p in g["params"]))
+    else:
+        state_bpp, state_held = optimizer_state_bytes_per_param(optimizer, trainable)
     held = state_held
     for unit in store.units:
-        held += unit.master.numel() * unit.master.element_size()
-        if unit.stream.data_ptr() != unit.master.data_ptr():
+        if shared is None or unit.master.untyped_storage().data_ptr() != shared.untyped_storage().data_ptr():
+            held += unit.master.numel() * unit.master.element_size()
+        if shared is None and unit.stream.data_ptr() != unit.master.data_ptr():
             held += unit.stream.numel() * unit.stream.element_size()
         for buf in (unit.grad, unit.param_grad, unit.grad_lowp):
             held += buf.numel() * buf.element_size() if buf is not None else 0
+    if shared is not None:
+        held = held * ranks_per_host + shared.numel() * shared.element_size()
     gpu_kw = {}
     if executor.device.type == "cuda":
         free = device_free_bytes(executor.device)
@@ -62,5 +74,6 @@ def admission(executor: StreamingExecutor, optimizer: torch.optim.Optimizer | No
         host_have_bytes=psutil.virtual_memory().available + held,
         optimizer_state_bytes_per_param=state_bpp,
         grad_accumulation=executor.updates is None,
+        ranks_per_host=ranks_per_host, world_size=world_size,
         **gpu_kw,
     )

@@ -7,7 +7,9 @@ torch optimizer over ``module.parameters()`` updates the masters), and hooks the
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -17,20 +19,23 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from transformers import PreTrainedModel
 
+from lightning_lazytrain import sharded_checkpoint
 from lightning_lazytrain.checkpoint import AtomicCheckpointIO, CorruptCheckpointError
 from lightning_lazytrain.engine import StreamingExecutor
+from lightning_lazytrain.engine.shared_store import SharedParamStore
 from lightning_lazytrain.memory import admission
 from lightning_lazytrain.models import adapter_for
 from lightning_lazytrain.optim import NonFiniteGuard
+from lightning_lazytrain.optim.hybrid_adamw import defer_state_allocation
+from lightning_lazytrain.parallel import ProcessGroupStrategy
 from lightning_lazytrain.planner import PlanSettings, initial_plan, plan_of, solve_plan, write_plan
 from lightning_lazytrain.precision import LazyTrainPrecision
 from lightning_lazytrain.resume import STATE_KEY, ResumeState, fallback_for_last
-from lightning_lazytrain.schedule import Schedule
+from lightning_lazytrain.schedule import AdmissionReport, Schedule
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +44,8 @@ class ModelNotFoundError(ValueError):
     pass
 
 
-class LazyTrainStrategy(Strategy):
-    """Stream an HF decoder's layers through one device from host memory.
+class LazyTrainStrategy(ProcessGroupStrategy):
+    """Stream an HF decoder's layers through one device from host memory; one process per device.
 
     Args:
         model_attr: attribute of the LightningModule holding the HF model; found automatically when there is one.
@@ -61,6 +66,9 @@ class LazyTrainStrategy(Strategy):
         spill_dir: directory for NVMe activation homes (files are removed at teardown and after a crash).
         checkpoint_io: default ``AtomicCheckpointIO`` (atomic saves, verified loads; see docs/reliability.md).
         solver_time_limit / solver_mip_gap: HiGHS limits for the MILP.
+
+    With ``devices=N`` / ``num_nodes=M`` every process streams through its own device, and master weights,
+    gradients and optimizer states are sharded across processes (``docs/engine.md``, "Several GPUs").
     """
 
     strategy_name = "lazytrain"
@@ -95,17 +103,15 @@ class LazyTrainStrategy(Strategy):
         self.overlap_updates = overlap_updates
         self.nonfinite_guard = NonFiniteGuard()
         self.skipped_steps = 0
-        self.parallel_devices: list[torch.device] | None = None
         self.executor: StreamingExecutor | None = None
         self.last_step_stats: dict[str, float] = {}
-        self.global_rank = self.local_rank = 0
-        self.world_size = 1
         self.plan_settings = PlanSettings(schedule, keep_graph_layers, gpu_activation_gib, cpu_activation_gib,
                                           nvme_activation_gib, spill_dir, max_recompute_span, solver_time_limit,
                                           solver_mip_gap)
         self.plan_settings.kind()
         self.schedule_result: Schedule | None = None
         self.resume = ResumeState()
+        self.admission_report: AdmissionReport | None = None
 
     @property
     def schedule(self) -> str:
@@ -133,21 +139,7 @@ class LazyTrainStrategy(Strategy):
             plugin = LazyTrainPrecision(getattr(plugin, "precision", "32-true"))
         self._precision_plugin = plugin
 
-    @property
-    def root_device(self) -> torch.device:
-        if not self.parallel_devices:
-            return torch.device("cpu")
-        return self.parallel_devices[0]
-
-    @property
-    def is_global_zero(self) -> bool:
-        return True
-
     def setup_environment(self) -> None:
-        if self.parallel_devices and len(self.parallel_devices) > 1:
-            raise ValueError(
-                f"lazytrain runs on one device for now; got devices={len(self.parallel_devices)}. Use devices=1."
-            )
         if self.pin_memory and self.root_device.type != "cuda":
             raise ValueError("pin_memory=True needs a CUDA device; drop it or use accelerator='gpu'.")
         super().setup_environment()
@@ -188,6 +180,9 @@ class LazyTrainStrategy(Strategy):
             precision.convert_module(self.model)
             plan = initial_plan(self.plan_settings, adapter.num_layers)
             pin = self.root_device.type == "cuda" if self.pin_memory is None else self.pin_memory
+            store_kw = {}
+            if self.distributed:
+                store_kw["store_factory"] = functools.partial(SharedParamStore, topology=self.topology)
             self.executor = StreamingExecutor(
                 adapter,
                 self.root_device,
@@ -199,11 +194,22 @@ class LazyTrainStrategy(Strategy):
                 pin_memory=pin,
                 timeout_s=self.timeout_s,
                 spill_dir=self.plan_settings.spill_dir,
+                **store_kw,
             )
         if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
+            if self.distributed:
+                with defer_state_allocation():  # the engine's shard optimizer holds the states
+                    self.setup_optimizers(trainer)
+            else:
+                self.setup_optimizers(trainer)
             self._maybe_direct_updates(trainer)
-            report = admission(self.executor, self.optimizers[0] if self.optimizers else None, precision.precision)
+            optimizer = self.optimizers[0] if self.optimizers else None
+            if self.distributed and optimizer is not None:
+                optimizer = self.executor.updates.optimizer
+            topo = self.topology
+            report = admission(self.executor, optimizer, precision.precision,
+                               topo.local_world if topo else 1, topo.world_size if topo else 1)
+            self.admission_report = report
             report.check()
             log.info("lazytrain admission:\n%s", report.table())
         self.setup_precision_plugin()
@@ -213,11 +219,20 @@ class LazyTrainStrategy(Strategy):
         precision.direct_step = None
         if self.executor is None or self.executor.updates is not None:
             return
-        if not (self.overlap_updates and len(self.optimizers) == 1 and hasattr(self.optimizers[0], "step_params")):
+        eligible = (self.overlap_updates and len(self.optimizers) == 1 and hasattr(self.optimizers[0], "step_params")
+                    and self.lightning_module.automatic_optimization and trainer.accumulate_grad_batches == 1)
+        if not eligible:
+            if self.distributed:
+                raise ValueError(
+                    "lazytrain with several processes shards the optimizer inside the engine: it needs one"
+                    " lightning_lazytrain.optim.HybridAdamW, automatic optimization, accumulate_grad_batches=1 and"
+                    " overlap_updates=True"
+                )
             return
-        if not self.lightning_module.automatic_optimization or trainer.accumulate_grad_batches != 1:
-            return
-        self.executor.enable_direct_updates(self.optimizers[0])
+        if self.distributed:
+            self.executor.enable_sharded_updates(self.optimizers[0])
+        else:
+            self.executor.enable_direct_updates(self.optimizers[0])
         trainer_ref = trainer
 
         def direct_step(clip_val: float | None) -> None:
@@ -236,12 +251,45 @@ class LazyTrainStrategy(Strategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self.executor is not None:
             self.executor.wait_updates()
+            if self.distributed:
+                return self.executor.store.shard_state()
         return super().lightning_module_state_dict()
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         if self.executor is not None:
             self.executor.wait_updates()
+            if self.distributed and self.executor.updates is not None:
+                return self.executor.updates.state_dict()
         return super().optimizer_state(optimizer)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
+        checkpoint[STATE_KEY] = self.resume.dump(self)
+        if not self.distributed:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        assert self.executor is not None
+        meta = None
+        if self.is_global_zero:
+            meta = sharded_checkpoint.layout_meta(self.executor.store, self.executor.adapter.model)
+        sharded_checkpoint.save_sharded(checkpoint, filepath, self.global_rank, meta)
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        if sharded_checkpoint.is_sharded(checkpoint_path):
+            checkpoint = sharded_checkpoint.load_sharded(checkpoint_path, self.global_rank, self.world_size)
+        else:
+            try:
+                checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+            except CorruptCheckpointError as err:
+                # fit(ckpt_path="last") resolved to a last*.ckpt that does not verify: take the newest one that does
+                checkpoint = super().load_checkpoint(fallback_for_last(str(checkpoint_path), err), weights_only)
+        self.resume.load(self, checkpoint.get(STATE_KEY))
+        return checkpoint
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.distributed and os.path.isdir(filepath):
+            if self.is_global_zero:
+                sharded_checkpoint.remove_sharded(filepath)
+            return
+        super().remove_checkpoint(filepath)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.resume.before_batch()
@@ -287,38 +335,20 @@ class LazyTrainStrategy(Strategy):
         return result
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self.distributed and self.executor is not None:
+            self.executor.wait_updates()
+            self.executor.store.load_shard_state(checkpoint["state_dict"])
+            return
         super().load_model_state_dict(checkpoint, strict=strict)
         if self.executor is not None:
             self.executor.after_optimizer_step()
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
-        checkpoint[STATE_KEY] = self.resume.dump(self)
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        try:
-            checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
-        except CorruptCheckpointError as err:
-            # fit(ckpt_path="last") resolved to a last*.ckpt that does not verify: take the newest one that does
-            checkpoint = super().load_checkpoint(fallback_for_last(str(checkpoint_path), err), weights_only)
-        self.resume.load(self, checkpoint.get(STATE_KEY))
-        return checkpoint
-
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self.distributed and self.executor is not None and self.executor.updates is not None:
+            self.executor.updates.load_state_dict(checkpoint["optimizer_states"][0])
+            return
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer.load_state_dict(state)
-
-    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        return tensor
-
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return obj
-
-    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
-        return tensor
 
     def teardown(self) -> None:
         self.precision_plugin.direct_step = None
@@ -330,6 +360,8 @@ class LazyTrainStrategy(Strategy):
         assert self.accelerator is not None
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
+        if self.cluster_environment is not None:
+            self.cluster_environment.teardown()
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,8 @@ from lightning_lazytrain.engine.grads import GradSink
 from lightning_lazytrain.engine.homes import ActivationHomes
 from lightning_lazytrain.engine.loss import chunked_causal_lm_loss, chunked_token_accuracy
 from lightning_lazytrain.engine.plan import StackPlan
+from lightning_lazytrain.engine.sharded_grads import ShardedGradSink
+from lightning_lazytrain.engine.sharded_updates import ShardedUpdateQueue
 from lightning_lazytrain.engine.slots import SlotPool
 from lightning_lazytrain.engine.stack import LayerCall, StackRun, StreamedStack, make_prefetcher
 from lightning_lazytrain.engine.store import HostParamStore
@@ -58,6 +60,7 @@ class StreamingExecutor:
         timeout_s: float = 600.0,
         loss_chunk_bytes: int = 1 << 29,
         spill_dir: str | None = None,
+        store_factory: Callable[..., HostParamStore] = HostParamStore,
     ) -> None:
         if getattr(adapter.lm_head, "bias", None) is not None:
             raise ValueError("lazytrain's chunked loss supports a bias-free lm_head only (all supported families)")
@@ -68,17 +71,17 @@ class StreamingExecutor:
         self.layers: list[nn.Module] = list(adapter.layers)
         self.resident_modules = _resident_modules(adapter)
         groups = [("resident", self.resident_modules)] + [(f"layer.{j}", [m]) for j, m in enumerate(self.layers)]
-        self.store = HostParamStore(groups, master_dtype, stream_dtype, pin=pin_memory and device.type == "cuda")
+        self.store = store_factory(groups, master_dtype, stream_dtype, pin=pin_memory and device.type == "cuda")
         self.resident_unit, self.layer_units = self.store.units[0], self.store.units[1:]
         self.slot_numel = max(u.numel for u in self.layer_units)
         self.pool: SlotPool | None = None
         self.homes: ActivationHomes | None = None
         self.set_plan(plan, num_slots)
         slot_numel, stream_dtype = self.slot_numel, self.store.stream_dtype
-        self.sink: GradSink | DirectGradSink = GradSink(
+        self.sink: GradSink | DirectGradSink | ShardedGradSink = GradSink(
             self.store, self.queues, slot_numel, stream_dtype, timeout_s=timeout_s
         )
-        self.updates: UpdateQueue | None = None
+        self.updates: UpdateQueue | ShardedUpdateQueue | None = None
         self._resident_buf = torch.empty(self.resident_unit.numel, dtype=stream_dtype, device=device)
         self._resident_leaves: list[torch.Tensor] | None = None
         self._resident_generation = -1
@@ -219,9 +222,16 @@ class StreamingExecutor:
                         optimizer.register_stream_copy(e.param, copy)
         self.updates = UpdateQueue(optimizer, self.store.units, self.timeout_s)
 
+    def enable_sharded_updates(self, optimizer: torch.optim.Optimizer) -> None:
+        """Several processes (a ``SharedParamStore``): gradients are reduce-scattered on the device, each rank
+        updates its own shard of every unit with a shard optimizer built from ``optimizer``."""
+        self.sink.close()
+        self.sink = ShardedGradSink(self.store, self.queues, self.store.stream_dtype)
+        self.updates = ShardedUpdateQueue(optimizer, self.store, self.timeout_s)
+
     def direct_step(self, clip_val: float | None, guard: NonFiniteGuard, step: int) -> bool:
         """Queue this step's updates (clipped by the device-side norm); False when a non-finite norm skips it."""
-        assert self.updates is not None and isinstance(self.sink, DirectGradSink)
+        assert self.updates is not None and isinstance(self.sink, (DirectGradSink, ShardedGradSink))
         norm_sq = self.sink.take_norm_sq()
         if not guard.check(norm_sq, step):
             for unit in self.store.units:

@@ -47,6 +47,17 @@ class PinnedAllocator:
         self.pinned_bytes += nbytes
         return tensor
 
+    def register(self, tensor: torch.Tensor) -> bool:
+        """Pin memory that already exists (a shared-memory mapping) in place; False when CUDA refuses."""
+        if not self.enabled or tensor.numel() == 0:
+            return False
+        nbytes = tensor.numel() * tensor.element_size()
+        if not _register(tensor, nbytes):
+            return False
+        self._registered.append(tensor)
+        self.pinned_bytes += nbytes
+        return True
+
     def release(self) -> None:
         for tensor in self._registered:
             torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())

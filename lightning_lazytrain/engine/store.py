@@ -91,25 +91,7 @@ class HostParamStore:
         self.units: list[ParamUnit] = [self._build_unit(i, label, mods) for i, (label, mods) in enumerate(groups)]
 
     def _build_unit(self, index: int, label: str, modules: list[nn.Module]) -> ParamUnit:
-        entries: list[ParamEntry] = []
-        offsets: dict[int, int] = {}
-        unique: list[ParamEntry] = []
-        total = 0
-        seen_modules: set[int] = set()
-        for root in modules:
-            for module in root.modules():
-                if id(module) in seen_modules:
-                    continue
-                seen_modules.add(id(module))
-                for name, param in module._parameters.items():
-                    if param is None:
-                        continue
-                    if id(param) not in offsets:
-                        offsets[id(param)] = len(unique)
-                        unique.append(ParamEntry(module, name, param, total, param.numel(), param.shape, len(unique)))
-                        total += param.numel()
-                    first = unique[offsets[id(param)]]
-                    entries.append(ParamEntry(module, name, param, first.offset, first.numel, first.shape, first.uid))
+        entries, unique, total = collect_entries(modules)
         same = self.master_dtype == self.stream_dtype
         master = self.pinned.empty(total, self.master_dtype) if same else torch.empty(total, dtype=self.master_dtype)
         for entry in unique:
@@ -170,6 +152,33 @@ class HostParamStore:
 
     def close(self) -> None:
         self.pinned.release()
+
+
+def collect_entries(modules: list[nn.Module]) -> tuple[list[ParamEntry], list[ParamEntry], int]:
+    """The flat layout of one unit: every (module, name) slot, the distinct parameters in order, the total size.
+
+    A parameter reached twice (tied weights) gets one place in the flat buffer; both slots point at it.
+    """
+    entries: list[ParamEntry] = []
+    offsets: dict[int, int] = {}
+    unique: list[ParamEntry] = []
+    total = 0
+    seen_modules: set[int] = set()
+    for root in modules:
+        for module in root.modules():
+            if id(module) in seen_modules:
+                continue
+            seen_modules.add(id(module))
+            for name, param in module._parameters.items():
+                if param is None:
+                    continue
+                if id(param) not in offsets:
+                    offsets[id(param)] = len(unique)
+                    unique.append(ParamEntry(module, name, param, total, param.numel(), param.shape, len(unique)))
+                    total += param.numel()
+                first = unique[offsets[id(param)]]
+                entries.append(ParamEntry(module, name, param, first.offset, first.numel, first.shape, first.uid))
+    return entries, unique, total
 
 
 def _uncovered(total: int, covered: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -15,10 +15,11 @@ back with deterministic stochastic rounding); gradients may be fp32 or bf16.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch.optim import Optimizer
@@ -26,9 +27,10 @@ from torch.optim import Optimizer
 from . import kernel as _kernel
 from .reference import mix32, reference_step
 
-__all__ = ["HybridAdamW"]
+__all__ = ["HybridAdamW", "defer_state_allocation"]
 
 _FP32_CHUNK = 4096  # elements per kernel work item for fp32-state tensors (fits L1/L2 with its scratch)
+_deferred = threading.local()
 _STATE_TENSORS = ("exp_avg", "exp_avg_sq", "exp_avg_codes", "exp_avg_sq_codes", "exp_avg_absmax", "exp_avg_sq_absmax")
 
 
@@ -101,6 +103,8 @@ class HybridAdamW(Optimizer):
         st["step"] = 0
         # Per-tensor stochastic-rounding key: fixed by (seed, position), saved, so a resume rounds identically.
         st["sr_key"] = int(mix32((self.seed * 0x9E3779B1 + index * 0x85EBCA77 + 1) & 0xFFFFFFFF))
+        if getattr(_deferred, "active", False):
+            return
         if eight_bit:
             nblk = -(-p.numel() // self.block_size)
             st["block_size"] = self.block_size
@@ -262,6 +266,21 @@ class HybridAdamW(Optimizer):
         super().__setstate__(state)
         self._group_of = {p: g for g in self.param_groups for p in g["params"]}
         self._init_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def defer_state_allocation() -> Iterator[None]:
+    """HybridAdamWs built inside (on this thread) allocate no moment tensors.
+
+    For an optimizer that only carries hyperparameters while another one, over shards of its parameters, does the
+    updates (several processes): allocating full-size moments on every rank first would need N times the host RAM.
+    """
+    before = getattr(_deferred, "active", False)
+    _deferred.active = True
+    try:
+        yield
+    finally:
+        _deferred.active = before
 
 
 def bias_corrections(beta1: float, beta2: float, step: int) -> tuple[float, float]:

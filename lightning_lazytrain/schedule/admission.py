@@ -111,6 +111,8 @@ def admission_report(
     gpu_workspace_bytes: int = 0,
     gpu_activation_bytes: int = 0,
     disk_bytes: int = 0,
+    ranks_per_host: int = 1,
+    world_size: int = 1,
 ) -> AdmissionReport:
     """Count every tier's bytes for a configuration.
 
@@ -123,16 +125,21 @@ def admission_report(
         gpu_slot_bytes / gpu_resident_bytes / gpu_workspace_bytes / gpu_activation_bytes: the GPU weight slots,
             parts kept on the GPU (embeddings, head, norms), peak per-layer workspace, GPU-homed boundaries.
         disk_bytes: NVMe-homed boundaries in the spill dir.
+        ranks_per_host / world_size: several processes (``world_size > 1``) count one host: the streamed copy
+            once (it is shared), masters / gradients / states as the host's ``ranks_per_host / world_size`` share.
         host_have_bytes / gpu_have_bytes / disk_have_bytes: what the machine offers.
     """
     trainable, frozen = _total(num_params), _total(frozen_params)
     per = host_bytes_per_param(precision, optimizer_state_bytes_per_param, grad_accumulation)
     host = TierUsage("host RAM", int(host_have_bytes))
-    for piece, b in per.items():
-        if b:
-            host.pieces[piece] = int(b * trainable)
-    if frozen:
-        host.pieces["frozen weights"] = int(_frozen_bytes_per_param(precision) * frozen)
+    if world_size > 1:
+        host.pieces.update(_sharded_host_pieces(per, trainable, frozen, precision, ranks_per_host / world_size))
+    else:
+        for piece, b in per.items():
+            if b:
+                host.pieces[piece] = int(b * trainable)
+        if frozen:
+            host.pieces["frozen weights"] = int(_frozen_bytes_per_param(precision) * frozen)
     for piece, b in (("pinned slots", pinned_slot_bytes), ("CPU activations", cpu_activation_bytes),
                      ("other", host_other_bytes)):
         if b:
@@ -143,10 +150,30 @@ def admission_report(
     disk = TierUsage("disk", int(disk_have_bytes), {"NVMe activations": int(disk_bytes)} if disk_bytes else {})
     settings = {"trainable_params": trainable, "frozen_params": frozen, "precision": precision,
                 "optimizer_state_bytes_per_param": optimizer_state_bytes_per_param,
-                "grad_accumulation": grad_accumulation, "host_bytes_per_param": sum(per.values())}
+                "grad_accumulation": grad_accumulation, "host_bytes_per_param": sum(per.values()),
+                "ranks_per_host": ranks_per_host, "world_size": world_size}
     report = AdmissionReport({"host": host, "gpu": gpu, "disk": disk}, [], settings)
-    report.suggestions = _suggest(report, per, trainable, disk_have_bytes - disk_bytes)
+    # savings scale with the host's share of the sharded pieces
+    counted = trainable if world_size == 1 else int(trainable * ranks_per_host / world_size)
+    report.suggestions = _suggest(report, per, counted, disk_have_bytes - disk_bytes)
     return report
+
+
+def _sharded_host_pieces(per: dict[str, float], trainable: int, frozen: int, precision: str,
+                         share: float) -> dict[str, int]:
+    """One host of a multi-process run: the shared streamed copy once, this host's share of everything sharded.
+
+    Where the masters are what is streamed (``32-true``, ``bf16-true``) the shared copy *is* the masters (each
+    rank's master shard is its slice of it); under ``bf16-mixed`` every parameter also has an fp32 master shard.
+    """
+    streamed = _frozen_bytes_per_param(precision) * (trainable + frozen)
+    pieces = {"streamed copy (shared, once per host)": int(streamed)}
+    if per["streamed bf16 copy"]:
+        pieces["master weight shards"] = int(per["master weights"] * (trainable + frozen) * share)
+    pieces["gradient shards"] = int(per["gradients"] * trainable * share)
+    if per["optimizer states"]:
+        pieces["optimizer state shards"] = int(per["optimizer states"] * trainable * share)
+    return pieces
 
 
 def _suggest(r: AdmissionReport, per: dict[str, float], trainable: int, disk_free: int) -> list[str]:

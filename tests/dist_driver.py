@@ -1,0 +1,93 @@
+"""One multi-process run of the tiny model, started by tests/test_distributed.py (not collected by pytest).
+
+Started once without LOCAL_RANK, Lightning's subprocess launcher re-runs this script for the other local ranks,
+as it does for any user script; started by the test with LOCAL_RANK / NODE_RANK set, it is one "machine" of a
+multi-node run. Every rank writes ``rank_<r>.json`` (losses, what its streamed copy maps, the admission pieces);
+rank 0 also writes the final weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import lightning.pytorch as pl
+import torch
+from helpers import LMModule, batches, loader, tiny_model
+
+import lightning_lazytrain  # noqa: F401  (registers the strategy name)
+from lightning_lazytrain.optim import HybridAdamW
+
+
+class HybridModule(LMModule):
+    def configure_optimizers(self):
+        return HybridAdamW(self.parameters(), lr=self.lr, weight_decay=0.01, eight_bit_fraction=0.0)
+
+
+class Probe(pl.Callback):
+    """What the engine holds while it is alive (teardown releases it)."""
+
+    def __init__(self) -> None:
+        self.info: dict = {}
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        store = strategy.executor.store
+        shared_ptr = store.shared.untyped_storage().data_ptr()
+        with open("/proc/self/maps") as f:
+            maps = [line.split() for line in f if store.path in line]
+        self.info = {
+            "shm_path": store.path,
+            "shm_inode": store.inode,
+            "shm_bytes": store.shared_bytes,
+            "maps": [(m[1], m[4]) for m in maps],  # permissions ('s' = MAP_SHARED) and inode of each mapping
+            "params_view_shared": all(p.untyped_storage().data_ptr() == shared_ptr
+                                      for p in pl_module.model.parameters()),
+            "masters_view_shared": all(u.master.untyped_storage().data_ptr() == shared_ptr for u in store.units),
+            "shard_numel": sum(u.master.numel() for u in store.units),
+            "grad_shard_numel": sum(u.grad_lowp.numel() for u in store.units),
+            "host_pieces": strategy.admission_report.tiers["host"].pieces,
+            "world_size": strategy.world_size,
+            "local_world": strategy.topology.local_world,
+            "optimizer_threads": strategy.executor.updates.optimizer.num_threads,
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--num-nodes", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--clip", type=float, default=None)
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--ckpt-dir", default=None)
+    parser.add_argument("--resume", default=None)
+    args = parser.parse_args()
+    probe = Probe()
+    callbacks: list[pl.Callback] = [probe]
+    if args.ckpt_dir:
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=1, save_top_k=-1))
+    module = HybridModule(tiny_model("qwen2"))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy="lazytrain",
+        precision=args.precision, max_steps=args.steps, gradient_clip_val=args.clip, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        enable_checkpointing=bool(args.ckpt_dir), callbacks=callbacks, default_root_dir=args.out,
+        use_distributed_sampler=False,
+    )
+    # Lightning's DistributedSampler always shuffles training data; for a reference run to compare with, rank r
+    # takes batches r, r + N of 4 batches of 2 itself, so step k of every epoch sees batches 2k and 2k + 1.
+    mine = batches(4)[trainer.global_rank :: trainer.world_size]
+    trainer.fit(module, loader(mine), ckpt_path=args.resume)
+    rank = trainer.global_rank
+    if rank == 0:
+        torch.save({k: v.clone() for k, v in module.model.state_dict().items()}, os.path.join(args.out, "weights.pt"))
+    with open(os.path.join(args.out, f"rank_{rank}.json"), "w") as f:
+        json.dump({"losses": module.losses, **probe.info}, f)
+    torch.distributed.barrier()  # rank 0 must not return before the others wrote their files
+
+
+if __name__ == "__main__":
+    main()
