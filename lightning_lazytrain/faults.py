@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import resource as _rlimit
 import shutil
 from collections.abc import Sequence
@@ -121,3 +122,26 @@ def pin_failed(nbytes: int, pinned_so_far: int, exc: BaseException | None) -> Pi
          "free host RAM or raise the locked-memory limit (ulimit -l unlimited; docker --ulimit memlock=-1)",
          "lower cpu_activation_gib so fewer boundaries wait in pinned buffers"],
         asked=nbytes, available=psutil.virtual_memory().available)
+
+
+class GpuMemoryError(ResourceError):
+    """The device ran out of memory inside a training step: the plan's budget and the step's working set did not
+    fit. Also raised for the first steps, where a smaller budget would be the fix, rather than retried silently."""
+
+
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def gpu_out_of_memory(exc: BaseException, available: int | None, batch_shape: tuple[int, int] | None,
+                      plan: str) -> GpuMemoryError:
+    """``exc`` is torch's OutOfMemoryError; the size it tried to allocate is read from its message."""
+    found = re.search(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)", str(exc))
+    asked = int(float(found.group(1)) * _UNITS[found.group(2)]) if found else None
+    shape = f"batch {batch_shape[0]} x {batch_shape[1]}, " if batch_shape else ""
+    return GpuMemoryError(
+        "GPU memory", f"out of memory inside a training step ({shape}plan {plan})",
+        ["a smaller batch with accumulate_grad_batches to keep the global batch",
+         "a smaller gpu_activation_gib, so that schedule='milp' sends more boundaries to 'cpu' or 'recompute'",
+         "fewer keep_graph_layers",
+         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True when the step fails close to the limit (fragmentation)"],
+        asked=asked, available=available)

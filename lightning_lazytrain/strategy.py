@@ -26,7 +26,9 @@ from transformers import PreTrainedModel
 from lightning_lazytrain import sharded_checkpoint
 from lightning_lazytrain.checkpoint import AtomicCheckpointIO, CorruptCheckpointError
 from lightning_lazytrain.engine import StreamingExecutor
+from lightning_lazytrain.engine.device import device_free_bytes
 from lightning_lazytrain.engine.shared_store import SharedParamStore
+from lightning_lazytrain.faults import GpuMemoryError, gpu_out_of_memory
 from lightning_lazytrain.memory import admission
 from lightning_lazytrain.models import adapter_for
 from lightning_lazytrain.optim import NonFiniteGuard
@@ -318,6 +320,14 @@ class LazyTrainStrategy(ProcessGroupStrategy):
         self._drain_gradients()
         return loss
 
+    def _out_of_memory(self, exc: BaseException) -> GpuMemoryError:
+        device = self.root_device
+        free = device_free_bytes(device) if device.type == "cuda" else None
+        plan = self.executor.plan if self.executor is not None else None
+        counts = {h: plan.homes.count(h) for h in sorted(set(plan.homes))} if plan is not None else {}
+        described = f"{counts}, {plan.graph_layers} layers keep their graph" if plan is not None else "not set"
+        return gpu_out_of_memory(exc, free, self.resume.plan_shape, described)
+
     def _drain_gradients(self) -> None:
         if self.executor is not None:
             self.executor.after_backward()
@@ -325,7 +335,10 @@ class LazyTrainStrategy(ProcessGroupStrategy):
     def optimizer_step(
         self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
     ) -> Any:
-        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        try:
+            result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        except torch.OutOfMemoryError as exc:
+            raise self._out_of_memory(exc) from exc
         if self.executor is not None:
             self.executor.after_optimizer_step()
             stats = {**self.executor.take_stats(), "skipped_steps": float(self.skipped_steps)}
