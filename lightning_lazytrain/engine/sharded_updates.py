@@ -22,6 +22,7 @@ import torch
 from lightning_lazytrain.engine.device import host_wait
 from lightning_lazytrain.engine.shared_store import SharedParamStore
 from lightning_lazytrain.engine.store import ParamEntry, ParamUnit
+from lightning_lazytrain.engine.updates import submit_updates
 from lightning_lazytrain.optim import HybridAdamW
 
 
@@ -83,14 +84,8 @@ class ShardedUpdateQueue:
 
     def schedule(self, clip_coef: float) -> None:
         self.sync_hyperparameters()
-        lr_of = {id(group): group["lr"] for group in self.optimizer.param_groups}
         coef = clip_coef / self.store.topology.world_size  # the reduce-scatter summed; this makes it the mean
-        for unit in self.units:
-            if not unit.has_grads:
-                continue
-            unit.has_grads = False
-            unit.await_update()
-            unit.pending_update = self._pool.submit(self._run, unit, coef, lr_of)
+        submit_updates(self.units, self._pool, self._run, coef, self.optimizer)
 
     def _run(self, unit: ParamUnit, coef: float, lr_of: dict[int, float]) -> None:
         host_wait(unit.grads_ready, f"the gradient shard of {unit.label}", self.timeout_s)

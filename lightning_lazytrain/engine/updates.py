@@ -28,13 +28,7 @@ class UpdateQueue:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-update")
 
     def schedule(self, clip_coef: float) -> None:
-        lr_of = {id(group): group["lr"] for group in self.optimizer.param_groups}
-        for unit in self.units:
-            if not unit.has_grads:
-                continue
-            unit.has_grads = False
-            unit.await_update()
-            unit.pending_update = self._pool.submit(self._run, unit, clip_coef, lr_of)
+        submit_updates(self.units, self._pool, self._run, clip_coef, self.optimizer)
 
     def _run(self, unit: ParamUnit, clip_coef: float, lr_of: dict[int, float]) -> None:
         host_wait(unit.grads_ready, f"the gradient copy of {unit.label}", self.timeout_s)
@@ -53,3 +47,15 @@ class UpdateQueue:
     def close(self) -> None:
         self.wait_all()
         self._pool.shutdown(wait=True)
+
+
+def submit_updates(units, pool: ThreadPoolExecutor, run, coef: float, optimizer: torch.optim.Optimizer) -> None:
+    """Queue ``run(unit, coef, lr_of)`` for every unit with fresh gradients, in forward order, each after the
+    unit's previous update; the learning rates are read now, so a scheduler stepping meanwhile cannot leak in."""
+    lr_of = {id(group): group["lr"] for group in optimizer.param_groups}
+    for unit in units:
+        if not unit.has_grads:
+            continue
+        unit.has_grads = False
+        unit.await_update()
+        unit.pending_update = pool.submit(run, unit, coef, lr_of)
