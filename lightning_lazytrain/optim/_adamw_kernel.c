@@ -36,23 +36,6 @@ typedef struct {
 } lt_args;
 
 static float g_code[2][256], g_thr[2][256];
-/* Thresholds regrouped by binary-search level: level j (step 128 >> j) holds thr[k * 2 * step + step - 1] for
- * k < 2^j. The AVX-512 encoder keeps each level in registers and looks it up with permutes: gathers were 60% of
- * the 8-bit step on Zen 4. */
-static float g_lev[2][8][128] __attribute__((aligned(64)));
-
-/* Tables: index 0 = signed map (first moment), 1 = unsigned map (second moment); thr[255] must be +inf. */
-void lt_set_tables(const float *code_s, const float *thr_s, const float *code_u, const float *thr_u) {
-    memcpy(g_code[0], code_s, sizeof(g_code[0]));
-    memcpy(g_code[1], code_u, sizeof(g_code[1]));
-    memcpy(g_thr[0], thr_s, sizeof(g_thr[0]));
-    memcpy(g_thr[1], thr_u, sizeof(g_thr[1]));
-    for (int w = 0; w < 2; w++)
-        for (int j = 0; j < 8; j++) {
-            const int step = 128 >> j;
-            for (int k = 0; k < (1 << j); k++) g_lev[w][j][k] = g_thr[w][k * 2 * step + step - 1];
-        }
-}
 
 static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -77,40 +60,190 @@ static inline uint16_t bf16_stochastic(float f, uint32_t key, int64_t i) {
     return (uint16_t)((u + r) >> 16);
 }
 
-/* Nearest code = number of decision thresholds strictly below x (ties go to the lower code). */
+/* Nearest code = number of decision thresholds strictly below x (ties go to the lower code). The specification
+ * the fast encoder is checked against, and its path for the rare values it cannot decide. */
 static inline uint8_t encode(int which, float x) {
     int c = 0;
     for (int step = 128; step > 0; step >>= 1) c += (x > g_thr[which][c + step - 1]) ? step : 0;
     return (uint8_t)c;
 }
 
-#ifdef __AVX512F__
-static inline __m512 lev_lookup(const float *t, int j, __m512i k) {
-    if (j <= 4) return _mm512_permutexvar_ps(k, _mm512_load_ps(t));
-    const __mmask16 b5 = _mm512_test_epi32_mask(k, _mm512_set1_epi32(32));
-    const __m512 lo = _mm512_permutex2var_ps(_mm512_load_ps(t), k, _mm512_load_ps(t + 16));
-    if (j == 5) return lo;
-    const __m512 hi = _mm512_permutex2var_ps(_mm512_load_ps(t + 32), k, _mm512_load_ps(t + 48));
-    const __m512 r = _mm512_mask_blend_ps(b5, lo, hi);
-    if (j == 6) return r;
-    const __m512 lo2 = _mm512_permutex2var_ps(_mm512_load_ps(t + 64), k, _mm512_load_ps(t + 80));
-    const __m512 hi2 = _mm512_permutex2var_ps(_mm512_load_ps(t + 96), k, _mm512_load_ps(t + 112));
-    const __mmask16 b6 = _mm512_test_epi32_mask(k, _mm512_set1_epi32(64));
-    return _mm512_mask_blend_ps(b6, r, _mm512_mask_blend_ps(b5, lo2, hi2));
+/* Fast encoder. The map is symmetric around 0 (signed) or non-negative (unsigned), so the code follows from the
+ * count of positive thresholds P below |x|. P splits into runs of evenly spaced thresholds (the map's decades)
+ * separated by a few boundary thresholds: the run holding |x| comes from its binary octave (at most one
+ * boundary per octave, one compare), and the count inside the run from f = |x| * A - B, which is ~i at the run's
+ * i-th threshold. f is monotone in x, and every threshold is checked (below) to lie within LT_MARGIN of its
+ * integer, so floor(f) is exact whenever f is at least LT_MARGIN from an integer; the few other values take the
+ * binary search. Permutes of 16/32-entry tables, no gathers. */
+#define LT_MARGIN 0x1p-12f
+#define LT_OCT0 96 /* octave table entry o is exponent LT_OCT0 + o; smaller (and zero) share o = 0 */
+typedef struct {
+    int32_t obound[32]; /* bits of the boundary inside the octave, or INT32_MAX */
+    int32_t oseg[32];   /* boundaries below the octave */
+    float A[16], B[16];
+    int32_t base[16], len[16]; /* run of segment s: first threshold index into P, thresholds in the run */
+    int32_t nneg;              /* thresholds below 0 (mirror images of P[0..nneg-1]) */
+    int32_t ok;
+} lt_enc;
+static lt_enc g_enc[2] __attribute__((aligned(64)));
+
+static float run_f(float x, float A, float B) { return fmaf(x, A, -B); } /* = the kernel's vfmsub */
+
+/* A, B for the run P[r0..r1] (lo: the threshold or 0 below it); 0 if some threshold misses its integer. */
+static int run_fit(const float *P, int r0, int r1, float lo, float *A, float *B) {
+    const double a = r1 > r0 ? (double)(r1 - r0) / ((double)P[r1] - P[r0]) : 1.0 / ((double)P[r0] - lo);
+    *A = (float)a;
+    *B = (float)(a * P[r0] - 1.0);
+    if (!(*A > 0.0f) || !isfinite(*A) || !isfinite(*B)) return 0;
+    for (int r = r0; r <= r1; r++)
+        if (!(fabsf(run_f(P[r], *A, *B) - (float)(r - r0 + 1)) < LT_MARGIN)) return 0;
+    return 1;
 }
 
-static inline __m128i encode16(int w, __m512 x) {
-    __m512i c = _mm512_setzero_si512();
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; j++) { /* unrolled: j is a constant, so lev_lookup's branches fold away */
-        const __m512i k = _mm512_srli_epi32(c, 8 - j);
-        const __m512 t = j == 0 ? _mm512_set1_ps(g_lev[w][0][0]) : lev_lookup(g_lev[w][j], j, k);
-        const __mmask16 up = _mm512_cmp_ps_mask(x, t, _CMP_GT_OQ);
-        c = _mm512_mask_add_epi32(c, up, c, _mm512_set1_epi32(128 >> j));
+static void enc_seg(lt_enc *E, int s, int r0, int r1, const float *P, float lo) {
+    E->base[s] = r0;
+    E->len[s] = r1 - r0 + 1;
+    E->A[s] = 0.0f; /* an empty run: f = 0.5, never near an integer */
+    E->B[s] = -0.5f;
+    if (r1 >= r0 && !run_fit(P, r0, r1, lo, &E->A[s], &E->B[s])) E->ok = 0;
+}
+
+static void enc_build(lt_enc *E, const float *thr) {
+    memset(E, 0, sizeof(*E));
+    E->ok = isinf(thr[255]) && thr[255] > 0;
+    int nneg = 0;
+    while (nneg < 255 && thr[nneg] < 0.0f) nneg++;
+    const float *P = thr + nneg;
+    const int np = 255 - nneg;
+    E->nneg = nneg;
+    if (np < nneg || np < 1 || !(P[0] > 0.0f)) E->ok = 0;
+    for (int k = 0; E->ok && k < 254; k++) E->ok = thr[k] < thr[k + 1];
+    for (int k = 0; E->ok && k < nneg; k++) E->ok = thr[nneg - 1 - k] == -P[k];
+    if (!E->ok) return;
+    int bnd[16], nb = 0, r0 = 0;
+    for (int i = 0; i < np && E->ok; i++) {
+        float A, B;
+        if (run_fit(P, r0, i, r0 ? P[r0 - 1] : 0.0f, &A, &B)) continue;
+        if (nb == 15) { E->ok = 0; break; }
+        enc_seg(E, nb, r0, i - 1, P, r0 ? P[r0 - 1] : 0.0f);
+        bnd[nb++] = i;
+        r0 = i + 1;
     }
-    return _mm512_cvtepi32_epi8(c);
+    enc_seg(E, nb, r0, np - 1, P, r0 ? P[r0 - 1] : 0.0f);
+    for (int o = 0; o < 32; o++) {
+        const int64_t lo = o ? (int64_t)(LT_OCT0 + o) << 23 : 0;
+        const int64_t hi = o < 31 ? (int64_t)(LT_OCT0 + o + 1) << 23 : INT64_MAX;
+        int below = 0, inside = 0;
+        E->obound[o] = INT32_MAX;
+        for (int k = 0; k < nb; k++) {
+            const int64_t b = f2u(P[bnd[k]]);
+            below += b < lo;
+            if (b >= lo && b < hi) { inside++; E->obound[o] = (int32_t)b; }
+        }
+        E->oseg[o] = below;
+        if (inside > 1) E->ok = 0;
+    }
+}
+
+#ifdef __AVX512F__
+#define LT_LD(p) _mm512_loadu_si512((const void *)(p))
+static inline __m512i enc16(const lt_enc *E, __m512 x, __mmask16 *unsure) {
+    const __m512i u = _mm512_castps_si512(x), one = _mm512_set1_epi32(1);
+    const __mmask16 neg = _mm512_movepi32_mask(u);
+    /* a negative x counts the thresholds <= |x| (ties to the lower code): those below the next float up */
+    __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+    a = _mm512_mask_add_epi32(a, neg, a, one);
+    const __m512i o = _mm512_min_epi32(_mm512_max_epi32(_mm512_srli_epi32(a, 23), _mm512_set1_epi32(LT_OCT0)),
+                                       _mm512_set1_epi32(LT_OCT0 + 31));
+    __m512i seg = _mm512_permutex2var_epi32(LT_LD(E->oseg), o, LT_LD(E->oseg + 16));
+    const __m512i bnd = _mm512_permutex2var_epi32(LT_LD(E->obound), o, LT_LD(E->obound + 16));
+    seg = _mm512_mask_add_epi32(seg, _mm512_cmpgt_epi32_mask(a, bnd), seg, one);
+    const __m512 f = _mm512_fmsub_ps(_mm512_castsi512_ps(a), _mm512_permutexvar_ps(seg, _mm512_loadu_ps(E->A)),
+                                     _mm512_permutexvar_ps(seg, _mm512_loadu_ps(E->B)));
+    __m512i j = _mm512_cvt_roundps_epi32(f, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    j = _mm512_min_epi32(_mm512_max_epi32(j, _mm512_setzero_si512()), _mm512_permutexvar_epi32(seg, LT_LD(E->len)));
+    const __m512i c = _mm512_add_epi32(j, _mm512_permutexvar_epi32(seg, LT_LD(E->base)));
+    const __m512 d = _mm512_sub_ps(f, _mm512_roundscale_ps(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    *unsure = _mm512_cmp_ps_mask(_mm512_abs_ps(d), _mm512_set1_ps(LT_MARGIN), _CMP_LT_OQ);
+    const __m512i nn = _mm512_set1_epi32(E->nneg);
+    const __m512i code = _mm512_mask_sub_epi32(_mm512_add_epi32(nn, c), neg, nn, _mm512_min_epi32(c, nn));
+    return _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), code); /* NaN -> 0, as the search */
+}
+
+/* Codes of x[0..15] * inv into out[0..15]. */
+static inline void enc16_store(int w, const float *x, float inv, uint8_t *out) {
+    const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(x), _mm512_set1_ps(inv));
+    __mmask16 unsure;
+    _mm_storeu_si128((__m128i *)out, _mm512_cvtepi32_epi8(enc16(&g_enc[w], y, &unsure)));
+    if (__builtin_expect(unsure != 0, 0)) {
+        float ys[16];
+        _mm512_storeu_ps(ys, y);
+        for (int l = 0; l < 16; l++)
+            if (unsure >> l & 1) out[l] = encode(w, ys[l]);
+    }
 }
 #endif
+
+/* Codes of x[0..n) (already divided by their absmax): the kernel's encoder, exposed for the tests. */
+void lt_encode(int which, const float *x, uint8_t *out, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    if (g_enc[which].ok)
+        for (; i + 16 <= n; i += 16) enc16_store(which, x + i, 1.0f, out + i);
+#endif
+    for (; i < n; i++) out[i] = encode(which, x[i]);
+}
+
+int lt_fast_encoder(void) {
+#ifdef __AVX512F__
+    return g_enc[0].ok && g_enc[1].ok;
+#else
+    return 0;
+#endif
+}
+
+#ifdef __AVX512VBMI__
+/* Decoder: the code book as 4 byte planes of 256 entries, looked up 64 codes at a time by byte permutes (two
+ * 128-entry halves each), then interleaved back to floats. Codes are pre-shuffled so that the interleave
+ * (which works within 128-bit lanes) yields the floats in order. */
+static uint8_t g_plane[2][4][256] __attribute__((aligned(64)));
+static uint8_t g_shuf[64] __attribute__((aligned(64)));
+
+static inline void dec64(int w, const uint8_t *q, float am, float *out) {
+    const __m512i c = _mm512_permutexvar_epi8(LT_LD(g_shuf), LT_LD(q));
+    const __mmask64 top = _mm512_movepi8_mask(c);
+    __m512i b[4];
+    for (int k = 0; k < 4; k++) {
+        const uint8_t *t = g_plane[w][k];
+        b[k] = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(LT_LD(t), c, LT_LD(t + 64)),
+                                      _mm512_permutex2var_epi8(LT_LD(t + 128), c, LT_LD(t + 192)));
+    }
+    const __m512i lo01 = _mm512_unpacklo_epi8(b[0], b[1]), hi01 = _mm512_unpackhi_epi8(b[0], b[1]);
+    const __m512i lo23 = _mm512_unpacklo_epi8(b[2], b[3]), hi23 = _mm512_unpackhi_epi8(b[2], b[3]);
+    const __m512 s = _mm512_set1_ps(am);
+    _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(lo01, lo23)), s));
+    _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(lo01, lo23)), s));
+    _mm512_storeu_ps(out + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(hi01, hi23)), s));
+    _mm512_storeu_ps(out + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23)), s));
+}
+#endif
+
+/* Tables: index 0 = signed map (first moment), 1 = unsigned map (second moment); thr[255] must be +inf. */
+void lt_set_tables(const float *code_s, const float *thr_s, const float *code_u, const float *thr_u) {
+    memcpy(g_code[0], code_s, sizeof(g_code[0]));
+    memcpy(g_code[1], code_u, sizeof(g_code[1]));
+    memcpy(g_thr[0], thr_s, sizeof(g_thr[0]));
+    memcpy(g_thr[1], thr_u, sizeof(g_thr[1]));
+    for (int w = 0; w < 2; w++) enc_build(&g_enc[w], g_thr[w]);
+#ifdef __AVX512VBMI__
+    for (int w = 0; w < 2; w++)
+        for (int i = 0; i < 256; i++)
+            for (int k = 0; k < 4; k++) g_plane[w][k][i] = (uint8_t)(f2u(g_code[w][i]) >> (8 * k));
+    for (int lane = 0; lane < 4; lane++)
+        for (int k = 0; k < 4; k++)
+            for (int q = 0; q < 4; q++) g_shuf[lane * 16 + 4 * k + q] = (uint8_t)(16 * k + 4 * lane + q);
+#endif
+}
 
 /* The update proper, reading the big arrays in place: streaming all of them side by side keeps the hardware
  * prefetchers on (copying each into scratch first made this pass memory-latency bound, ~3x slower).
@@ -135,7 +268,14 @@ static void do_block(const lt_args *a, int64_t s, int64_t len, float *restrict s
     if (a->mq) {
         const float am = a->mabs[blk], av = a->vabs[blk];
         const uint8_t *mq = a->mq + s, *vq = a->vq + s;
-        for (int64_t i = 0; i < len; i++) {
+        int64_t i = 0;
+#ifdef __AVX512VBMI__
+        for (; i + 64 <= len; i += 64) {
+            dec64(0, mq + i, am, m + i);
+            dec64(1, vq + i, av, v + i);
+        }
+#endif
+        for (; i < len; i++) {
             m[i] = g_code[0][mq[i]] * am;
             v[i] = g_code[1][vq[i]] * av;
         }
@@ -190,11 +330,11 @@ static void do_block(const lt_args *a, int64_t s, int64_t len, float *restrict s
         uint8_t *mq = a->mq + s, *vq = a->vq + s;
         i0 = 0;
 #ifdef __AVX512F__
-        const __m512 vim = _mm512_set1_ps(im), viv = _mm512_set1_ps(iv);
-        for (; i0 + 16 <= len; i0 += 16) {
-            _mm_storeu_si128((__m128i *)(mq + i0), encode16(0, _mm512_mul_ps(_mm512_loadu_ps(m + i0), vim)));
-            _mm_storeu_si128((__m128i *)(vq + i0), encode16(1, _mm512_mul_ps(_mm512_loadu_ps(v + i0), viv)));
-        }
+        if (g_enc[0].ok && g_enc[1].ok)
+            for (; i0 + 16 <= len; i0 += 16) {
+                enc16_store(0, m + i0, im, mq + i0);
+                enc16_store(1, v + i0, iv, vq + i0);
+            }
 #endif
         for (int64_t i = i0; i < len; i++) {
             mq[i] = encode(0, m[i] * im);

@@ -24,7 +24,7 @@ import torch
 
 from .quant import quant_tables
 
-__all__ = ["KernelUnavailable", "load_kernel", "kernel_available", "LtArgs"]
+__all__ = ["KernelUnavailable", "load_kernel", "kernel_available", "LtArgs", "kernel_encode", "fast_encoder"]
 
 _SRC = Path(__file__).with_name("_adamw_kernel.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
@@ -129,6 +129,9 @@ def load_kernel() -> ctypes.CDLL:
             raise KernelUnavailable(_error) from e
         lib.lt_adamw_step.argtypes = [ctypes.POINTER(LtArgs)]
         lib.lt_adamw_step.restype = ctypes.c_int
+        lib.lt_encode.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        lib.lt_encode.restype = None
+        lib.lt_fast_encoder.restype = ctypes.c_int
         tabs = [t.contiguous() for s in (True, False) for t in quant_tables(s)]  # code, thr per map
         lib.lt_set_tables(*[ctypes.c_void_p(t.data_ptr()) for t in tabs])
         _lib = lib
@@ -141,6 +144,19 @@ def kernel_available() -> bool:
         return True
     except KernelUnavailable:
         return False
+
+
+def kernel_encode(x: torch.Tensor, signed: bool) -> torch.Tensor:
+    """Codes (uint8) the kernel's encoder gives values already divided by their block absmax (CPU fp32)."""
+    x = x.detach().to(device="cpu", dtype=torch.float32).contiguous().reshape(-1)
+    out = torch.empty(x.numel(), dtype=torch.uint8)
+    load_kernel().lt_encode(0 if signed else 1, x.data_ptr(), out.data_ptr(), x.numel())
+    return out
+
+
+def fast_encoder() -> bool:
+    """Whether the kernel uses its table-driven encoder (AVX-512 and map tables that passed its checks)."""
+    return bool(load_kernel().lt_fast_encoder())
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
