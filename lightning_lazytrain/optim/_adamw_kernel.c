@@ -68,44 +68,45 @@ static inline uint8_t encode(int which, float x) {
     return (uint8_t)c;
 }
 
-/* Fast encoder. The map is symmetric around 0 (signed) or non-negative (unsigned), so the code follows from the
- * count of positive thresholds P below |x|. P splits into runs of evenly spaced thresholds (the map's decades)
- * separated by a few boundary thresholds: the run holding |x| comes from its binary octave (at most one
- * boundary per octave, one compare), and the count inside the run from f = |x| * A - B, which is ~i at the run's
- * i-th threshold. f is monotone in x, and every threshold is checked (below) to lie within LT_MARGIN of its
- * integer, so floor(f) is exact whenever f is at least LT_MARGIN from an integer; the few other values take the
- * binary search. Permutes of 16/32-entry tables, no gathers. */
+/* Fast encoder. The map is symmetric around 0 (signed) or non-negative (unsigned), so the code follows from c,
+ * the count of positive thresholds P below |x|. P splits into runs of evenly spaced thresholds (the map's
+ * decades) separated by a few boundary thresholds: the segment holding |x| comes from its binary octave (at most
+ * one boundary per octave: one compare), and c from floor(f), f = |x| * A - B ~ i + 1 at the run's threshold
+ * P[i], clamped to the segment's top. f is monotone in x and every threshold is checked (enc_build) to lie
+ * within LT_MARGIN of its integer, so floor(f) is exact whenever f is at least LT_MARGIN from an integer; the
+ * few other values take the binary search. Permutes of 16/32-entry tables, no gathers. */
 #define LT_MARGIN 0x1p-12f
-#define LT_OCT0 96 /* octave table entry o is exponent LT_OCT0 + o; smaller (and zero) share o = 0 */
+#define LT_OCT0 96 /* octave entry o is exponent LT_OCT0 + o; smaller ones (and zero) share o = 0 */
+#define LT_INF 0x7f800000
 typedef struct {
-    int32_t obound[32]; /* bits of the boundary inside the octave, or INT32_MAX */
+    int32_t obound[32]; /* bits of the boundary inside the octave, or INT32_MAX; the top one is +inf */
     int32_t oseg[32];   /* boundaries below the octave */
     float A[16], B[16];
-    int32_t base[16], len[16]; /* run of segment s: first threshold index into P, thresholds in the run */
-    int32_t nneg;              /* thresholds below 0 (mirror images of P[0..nneg-1]) */
+    uint32_t hi[16]; /* c of the segment's top; the segment above +inf (NaN) gets INT_MIN, packed to code 0 */
+    int32_t nneg;    /* thresholds below 0 (mirror images of P[0..nneg-1]) */
     int32_t ok;
 } lt_enc;
 static lt_enc g_enc[2] __attribute__((aligned(64)));
 
 static float run_f(float x, float A, float B) { return fmaf(x, A, -B); } /* = the kernel's vfmsub */
 
-/* A, B for the run P[r0..r1] (lo: the threshold or 0 below it); 0 if some threshold misses its integer. */
+/* A, B for the run P[r0..r1] above lo (the boundary below, or 0); 0 unless every P[r] maps to within LT_MARGIN
+ * of r + 1 and lo to at least r0 (so no x of the segment floors below its first count). */
 static int run_fit(const float *P, int r0, int r1, float lo, float *A, float *B) {
-    const double a = r1 > r0 ? (double)(r1 - r0) / ((double)P[r1] - P[r0]) : 1.0 / ((double)P[r0] - lo);
+    const double a = r1 > r0 ? (double)(r1 - r0) / ((double)P[r1] - P[r0]) : 0.5 / ((double)P[r0] - lo);
     *A = (float)a;
-    *B = (float)(a * P[r0] - 1.0);
-    if (!(*A > 0.0f) || !isfinite(*A) || !isfinite(*B)) return 0;
+    *B = (float)(a * P[r0] - (r0 + 1));
+    if (!(*A > 0.0f) || !isfinite(*A) || !isfinite(*B) || !(run_f(lo, *A, *B) >= (float)r0)) return 0;
     for (int r = r0; r <= r1; r++)
-        if (!(fabsf(run_f(P[r], *A, *B) - (float)(r - r0 + 1)) < LT_MARGIN)) return 0;
+        if (!(fabsf(run_f(P[r], *A, *B) - (float)(r + 1)) < LT_MARGIN)) return 0;
     return 1;
 }
 
-static void enc_seg(lt_enc *E, int s, int r0, int r1, const float *P, float lo) {
-    E->base[s] = r0;
-    E->len[s] = r1 - r0 + 1;
-    E->A[s] = 0.0f; /* an empty run: f = 0.5, never near an integer */
-    E->B[s] = -0.5f;
-    if (r1 >= r0 && !run_fit(P, r0, r1, lo, &E->A[s], &E->B[s])) E->ok = 0;
+static void enc_seg(lt_enc *E, int s, int r0, int r1, const float *P) {
+    E->hi[s] = (uint32_t)(r1 + 1);
+    E->A[s] = 0.0f; /* an empty run: f = r0 + 0.5, never near an integer */
+    E->B[s] = -(r0 + 0.5f);
+    if (r1 >= r0 && !run_fit(P, r0, r1, r0 ? P[r0 - 1] : 0.0f, &E->A[s], &E->B[s])) E->ok = 0;
 }
 
 static void enc_build(lt_enc *E, const float *thr) {
@@ -116,43 +117,48 @@ static void enc_build(lt_enc *E, const float *thr) {
     const float *P = thr + nneg;
     const int np = 255 - nneg;
     E->nneg = nneg;
-    if (np < nneg || np < 1 || !(P[0] > 0.0f)) E->ok = 0;
+    if (np < nneg || !(P[0] > 0.0f)) E->ok = 0;
     for (int k = 0; E->ok && k < 254; k++) E->ok = thr[k] < thr[k + 1];
     for (int k = 0; E->ok && k < nneg; k++) E->ok = thr[nneg - 1 - k] == -P[k];
     if (!E->ok) return;
     int bnd[16], nb = 0, r0 = 0;
-    for (int i = 0; i < np && E->ok; i++) {
+    for (int i = 0; i < np && E->ok; i++) { /* greedy: grow the run while it fits, else i is a boundary */
         float A, B;
         if (run_fit(P, r0, i, r0 ? P[r0 - 1] : 0.0f, &A, &B)) continue;
-        if (nb == 15) { E->ok = 0; break; }
-        enc_seg(E, nb, r0, i - 1, P, r0 ? P[r0 - 1] : 0.0f);
+        if (nb == 14) { E->ok = 0; return; }
+        enc_seg(E, nb, r0, i - 1, P);
         bnd[nb++] = i;
         r0 = i + 1;
     }
-    enc_seg(E, nb, r0, np - 1, P, r0 ? P[r0 - 1] : 0.0f);
+    enc_seg(E, nb, r0, np - 1, P);
+    E->hi[nb + 1] = 0x80000000u; /* A = 0: f is NaN for NaN input */
     for (int o = 0; o < 32; o++) {
         const int64_t lo = o ? (int64_t)(LT_OCT0 + o) << 23 : 0;
         const int64_t hi = o < 31 ? (int64_t)(LT_OCT0 + o + 1) << 23 : INT64_MAX;
-        int below = 0, inside = 0;
-        E->obound[o] = INT32_MAX;
+        int inside = 0;
+        E->oseg[o] = 0;
+        E->obound[o] = o < 31 ? INT32_MAX : LT_INF;
         for (int k = 0; k < nb; k++) {
             const int64_t b = f2u(P[bnd[k]]);
-            below += b < lo;
+            E->oseg[o] += b < lo;
             if (b >= lo && b < hi) { inside++; E->obound[o] = (int32_t)b; }
         }
-        E->oseg[o] = below;
-        if (inside > 1) E->ok = 0;
+        if (inside > (o < 31)) E->ok = 0; /* the top octave's only boundary is +inf */
     }
 }
 
 #ifdef __AVX512F__
 #define LT_LD(p) _mm512_loadu_si512((const void *)(p))
-static inline __m512i enc16(const lt_enc *E, __m512 x, __mmask16 *unsure) {
+/* Codes of 16 values as int32, negative for code 0 of some lanes (the caller packs with unsigned saturation);
+ * sgn is a constant after inlining. */
+static inline __attribute__((always_inline)) __m512i enc16(const lt_enc *E, __m512 x, int sgn, __mmask16 *unsure) {
     const __m512i u = _mm512_castps_si512(x), one = _mm512_set1_epi32(1);
     const __mmask16 neg = _mm512_movepi32_mask(u);
-    /* a negative x counts the thresholds <= |x| (ties to the lower code): those below the next float up */
-    __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
-    a = _mm512_mask_add_epi32(a, neg, a, one);
+    __m512i a = u; /* unsigned map: a negative x is code 0 whatever its count */
+    if (sgn) { /* a negative x counts the thresholds <= |x| (ties to the lower code): those below the next float */
+        a = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+        a = _mm512_mask_add_epi32(a, neg, a, one);
+    }
     const __m512i o = _mm512_min_epi32(_mm512_max_epi32(_mm512_srli_epi32(a, 23), _mm512_set1_epi32(LT_OCT0)),
                                        _mm512_set1_epi32(LT_OCT0 + 31));
     __m512i seg = _mm512_permutex2var_epi32(LT_LD(E->oseg), o, LT_LD(E->oseg + 16));
@@ -160,27 +166,32 @@ static inline __m512i enc16(const lt_enc *E, __m512 x, __mmask16 *unsure) {
     seg = _mm512_mask_add_epi32(seg, _mm512_cmpgt_epi32_mask(a, bnd), seg, one);
     const __m512 f = _mm512_fmsub_ps(_mm512_castsi512_ps(a), _mm512_permutexvar_ps(seg, _mm512_loadu_ps(E->A)),
                                      _mm512_permutexvar_ps(seg, _mm512_loadu_ps(E->B)));
-    __m512i j = _mm512_cvt_roundps_epi32(f, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    j = _mm512_min_epi32(_mm512_max_epi32(j, _mm512_setzero_si512()), _mm512_permutexvar_epi32(seg, LT_LD(E->len)));
-    const __m512i c = _mm512_add_epi32(j, _mm512_permutexvar_epi32(seg, LT_LD(E->base)));
-    const __m512 d = _mm512_sub_ps(f, _mm512_roundscale_ps(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    *unsure = _mm512_cmp_ps_mask(_mm512_abs_ps(d), _mm512_set1_ps(LT_MARGIN), _CMP_LT_OQ);
+    /* NaN and overflow convert to INT_MIN, which the unsigned min turns into the segment's top */
+    const __m512i c = _mm512_min_epu32(_mm512_cvt_roundps_epi32(f, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC),
+                                       _mm512_permutexvar_epi32(seg, LT_LD(E->hi)));
+    *unsure = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_reduce_ps(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)),
+                                 _mm512_set1_ps(LT_MARGIN), _CMP_LT_OQ);
+    if (!sgn) return _mm512_mask_sub_epi32(c, neg, _mm512_setzero_si512(), c);
     const __m512i nn = _mm512_set1_epi32(E->nneg);
-    const __m512i code = _mm512_mask_sub_epi32(_mm512_add_epi32(nn, c), neg, nn, _mm512_min_epi32(c, nn));
-    return _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), code); /* NaN -> 0, as the search */
+    return _mm512_mask_sub_epi32(_mm512_add_epi32(nn, c), neg, nn, c);
 }
 
-/* Codes of x[0..15] * inv into out[0..15]. */
-static inline void enc16_store(int w, const float *x, float inv, uint8_t *out) {
-    const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(x), _mm512_set1_ps(inv));
-    __mmask16 unsure;
-    _mm_storeu_si128((__m128i *)out, _mm512_cvtepi32_epi8(enc16(&g_enc[w], y, &unsure)));
-    if (__builtin_expect(unsure != 0, 0)) {
-        float ys[16];
-        _mm512_storeu_ps(ys, y);
-        for (int l = 0; l < 16; l++)
-            if (unsure >> l & 1) out[l] = encode(w, ys[l]);
-    }
+/* Codes of x[0..63] * inv into out[0..63]. */
+static inline __attribute__((always_inline)) void enc64(int w, const float *x, float inv, uint8_t *out) {
+    const __m512 s = _mm512_set1_ps(inv);
+    __mmask16 u0, u1, u2, u3;
+    const __m512i c0 = enc16(&g_enc[w], _mm512_mul_ps(_mm512_loadu_ps(x), s), w == 0, &u0);
+    const __m512i c1 = enc16(&g_enc[w], _mm512_mul_ps(_mm512_loadu_ps(x + 16), s), w == 0, &u1);
+    const __m512i c2 = enc16(&g_enc[w], _mm512_mul_ps(_mm512_loadu_ps(x + 32), s), w == 0, &u2);
+    const __m512i c3 = enc16(&g_enc[w], _mm512_mul_ps(_mm512_loadu_ps(x + 48), s), w == 0, &u3);
+    /* packs work within 128-bit lanes: dword 4 * lane + k then holds values 16 * k + 4 * lane + 0..3 */
+    const __m512i b = _mm512_packus_epi16(_mm512_packus_epi32(c0, c1), _mm512_packus_epi32(c2, c3));
+    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    _mm512_storeu_si512((void *)out, _mm512_permutexvar_epi32(order, b));
+    const uint64_t unsure = (uint64_t)u0 | (uint64_t)u1 << 16 | (uint64_t)u2 << 32 | (uint64_t)u3 << 48;
+    if (__builtin_expect(unsure != 0, 0))
+        for (int l = 0; l < 64; l++)
+            if (unsure >> l & 1) out[l] = encode(w, x[l] * inv);
 }
 #endif
 
@@ -189,7 +200,7 @@ void lt_encode(int which, const float *x, uint8_t *out, int64_t n) {
     int64_t i = 0;
 #ifdef __AVX512F__
     if (g_enc[which].ok)
-        for (; i + 16 <= n; i += 16) enc16_store(which, x + i, 1.0f, out + i);
+        for (; i + 64 <= n; i += 64) which ? enc64(1, x + i, 1.0f, out + i) : enc64(0, x + i, 1.0f, out + i);
 #endif
     for (; i < n; i++) out[i] = encode(which, x[i]);
 }
@@ -331,9 +342,9 @@ static void do_block(const lt_args *a, int64_t s, int64_t len, float *restrict s
         i0 = 0;
 #ifdef __AVX512F__
         if (g_enc[0].ok && g_enc[1].ok)
-            for (; i0 + 16 <= len; i0 += 16) {
-                enc16_store(0, m + i0, im, mq + i0);
-                enc16_store(1, v + i0, iv, vq + i0);
+            for (; i0 + 64 <= len; i0 += 64) {
+                enc64(0, m + i0, im, mq + i0);
+                enc64(1, v + i0, iv, vq + i0);
             }
 #endif
         for (int64_t i = i0; i < len; i++) {
