@@ -1,9 +1,9 @@
 """Build (once, cached) and call the fused C/OpenMP AdamW kernel through ctypes.
 
-The kernel is plain C (``_adamw_kernel.c``), not a torch extension: it needs only a C compiler with OpenMP at run
-time (gcc or clang; no ninja, no torch headers) and builds in about a second. The shared object is cached under
-``$LAZYTRAIN_CACHE`` (default ``~/.cache/lightning_lazytrain``) keyed by a hash of the source, the flags, the
-compiler and the CPU's flags, so each machine builds its own ``-march=native`` copy once. ctypes drops the GIL
+The kernel is plain C (``_adamw_kernel.c``, including the codec ``_adamw_codec.h``), not a torch extension: it
+needs only a C compiler with OpenMP at run time (gcc or clang; no ninja, no torch headers) and builds in about a
+second. The shared object is cached under ``$LAZYTRAIN_CACHE`` (default ``~/.cache/lightning_lazytrain``) keyed by
+a hash of the sources, the flags, the compiler and the CPU's flags, so each machine builds its own ``-march=native`` copy once. ctypes drops the GIL
 for the call, so the engine can run updates on worker threads while Python carries on.
 """
 
@@ -27,6 +27,7 @@ from .quant import quant_tables
 __all__ = ["KernelUnavailable", "load_kernel", "kernel_available", "LtArgs", "kernel_encode", "fast_encoder"]
 
 _SRC = Path(__file__).with_name("_adamw_kernel.c")
+_HEADERS = [Path(__file__).with_name("_adamw_codec.h")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -88,7 +89,10 @@ def _cpu_tag() -> str:
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     key = hashlib.sha256(
-        b"\0".join([_SRC.read_bytes(), " ".join(_FLAGS).encode(), str(version).encode(), _cpu_tag().encode()])
+        b"\0".join(
+            [_SRC.read_bytes(), *(h.read_bytes() for h in _HEADERS), " ".join(_FLAGS).encode(), str(version).encode(),
+             _cpu_tag().encode()]
+        )
     ).hexdigest()[:16]
     cache = Path(os.environ.get("LAZYTRAIN_CACHE", Path.home() / ".cache" / "lightning_lazytrain"))
     out = cache / f"adamw_kernel_{key}.so"
