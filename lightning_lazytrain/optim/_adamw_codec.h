@@ -163,7 +163,7 @@ int lt_fast_encoder(void) {
 static uint8_t g_plane[2][4][256] __attribute__((aligned(64)));
 static uint8_t g_shuf[64] __attribute__((aligned(64)));
 
-static inline void dec64(int w, const uint8_t *q, float am, float *out) {
+static inline __attribute__((always_inline)) void dec64(int w, const uint8_t *q, float am, __m512 out[4]) {
     const __m512i c = _mm512_permutexvar_epi8(LT_LD(g_shuf), LT_LD(q));
     const __mmask64 top = _mm512_movepi8_mask(c);
     __m512i b[4];
@@ -175,10 +175,10 @@ static inline void dec64(int w, const uint8_t *q, float am, float *out) {
     const __m512i lo01 = _mm512_unpacklo_epi8(b[0], b[1]), hi01 = _mm512_unpackhi_epi8(b[0], b[1]);
     const __m512i lo23 = _mm512_unpacklo_epi8(b[2], b[3]), hi23 = _mm512_unpackhi_epi8(b[2], b[3]);
     const __m512 s = _mm512_set1_ps(am);
-    _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(lo01, lo23)), s));
-    _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(lo01, lo23)), s));
-    _mm512_storeu_ps(out + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(hi01, hi23)), s));
-    _mm512_storeu_ps(out + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23)), s));
+    out[0] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(lo01, lo23)), s);
+    out[1] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(lo01, lo23)), s);
+    out[2] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(hi01, hi23)), s);
+    out[3] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23)), s);
 }
 #endif
 
