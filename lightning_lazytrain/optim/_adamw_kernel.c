@@ -238,6 +238,8 @@ static inline __attribute__((always_inline)) void v_update16(const lt_args *a, i
 
 static inline __attribute__((always_inline)) void fused_blocks(const lt_args *a, int64_t b0, int64_t b1, float *scratch,
                                                                int g16, int p16, int cp) {
+    const lt_args local = *a; /* a copy the stores cannot alias: scalars and pointers stay in registers */
+    a = &local;
     const int64_t bs = a->block;
     lt_pending q = {0, 0, NULL, NULL, 0.0f, 0.0f};
     for (int64_t b = b0; b <= b1; b++) {
