@@ -21,6 +21,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_lazytrain.optim import HybridAdamW  # noqa: E402
+from lightning_lazytrain.optim.kernel import fast_encoder  # noqa: E402
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
 
 
 def _cpu_model() -> str:
@@ -128,6 +139,9 @@ def main() -> None:
             "cpu_model": _cpu_model(),
             "torch": torch.__version__,
             "capability": torch.backends.cpu.get_cpu_capability(),
+            # which 8-bit kernel path ran: the one-loop AVX-512 path needs VBMI and the table-driven encoder
+            "avx512_vbmi": "avx512_vbmi" in _cpu_flags(),
+            "fast_encoder": fast_encoder(),
         },
         "tensors": {"large_numel": int(args.numel), "large": args.tensors, "small_1M": args.small, "total": total},
         "realised_8bit_fraction_at_0.02": round(realised, 4),
