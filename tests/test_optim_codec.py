@@ -3,9 +3,12 @@
 import pytest
 import torch
 
+from lightning_lazytrain.optim import kernel_available
+from lightning_lazytrain.optim.kernel import fast_encoder, kernel_encode
 from lightning_lazytrain.optim.quant import (
     dequantize_blockwise,
     dynamic_map,
+    encode_normalized,
     nearest_code,
     quant_tables,
     quantize_blockwise,
@@ -75,3 +78,45 @@ def test_stochastic_rounding_unbiased_and_deterministic():
     tiny = torch.full((100_000,), 1.0) + 1e-4
     assert abs(stochastic_round_bf16(tiny, key=3).float().mean().item() - (1.0 + 1e-4)) < 2e-5
     assert tiny.to(torch.bfloat16).float().mean().item() == 1.0
+
+
+def _encoder_cases(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values to encode, shuffled, and which of them lie within 8 ulps of a threshold (where the threshold rule,
+    not a float distance comparison, is the specification: thresholds are fp32 midpoints)."""
+    code, thr = quant_tables(signed)
+    t = thr[:255]
+    g = torch.Generator().manual_seed(2)
+    near = [t]  # every threshold and its 8 float neighbours on each side: the ties and near-ties
+    for direction in (float("inf"), float("-inf")):
+        step = t
+        for _ in range(8):
+            step = torch.nextafter(step, torch.tensor(direction))
+            near.append(step)
+    near = torch.cat(near)
+    special = torch.tensor(
+        [0.0, -0.0, 1.0, -1.0, 1.0 + 2**-23, -(1.0 + 2**-23), 1e-45, -1e-45, 1e-40, -1e-40, 2**-126, -(2**-126),
+         1e-30, -1e-30, 3.0, -3.0, 1e30, -1e30, float("inf"), float("-inf"), float("nan")]
+    )
+    uniform = torch.rand(300_000, generator=g) * 2 - 1
+    decades = uniform * 10.0 ** (-8 * torch.rand(300_000, generator=g))  # every decade of the map and below
+    bits = torch.arange(-(2**31), 2**31, 4099, dtype=torch.int64).to(torch.int32).view(torch.float32)  # all floats
+    x = torch.cat([near, -near, code, -code, special, uniform, decades, bits])
+    tie = torch.zeros(x.numel(), dtype=torch.bool)
+    tie[: 2 * near.numel()] = True
+    order = torch.randperm(x.numel(), generator=g)  # specials land in every lane of the vector encoder
+    return x[order], tie[order]
+
+
+@pytest.mark.skipif(not kernel_available(), reason="no C compiler for the fused kernel")
+@pytest.mark.parametrize("signed", [True, False])
+def test_kernel_encoder_is_exact(signed):
+    if torch.backends.cpu.get_cpu_capability() == "AVX512":
+        assert fast_encoder()  # the table-driven encoder accepted both maps (else: the plain search)
+    x, tie = _encoder_cases(signed)
+    got = kernel_encode(x, signed)
+    assert torch.equal(got, encode_normalized(x, signed))  # the torch reference (searchsorted on thresholds)
+    code, _ = quant_tables(signed)
+    plain = x.isfinite() & (x.abs() <= 1) & ~tie
+    assert torch.equal(got[plain].long(), nearest_code(x[plain], code))  # nearest, ties to the lower code
+    assert torch.equal(kernel_encode(x[:1000], signed), got[:1000])  # the scalar tail agrees with the vector body
+    assert torch.equal(kernel_encode(x[:63], signed), got[:63])

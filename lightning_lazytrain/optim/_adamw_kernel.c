@@ -3,12 +3,14 @@
  * One pass per block of elements: read the gradient (fp32 or bf16, times the clip coefficient), read the moments
  * (fp32, or 8-bit codes + block absmax), update them, update the parameter (fp32, or bf16 with stochastic
  * rounding), write the optional bf16 streaming copy, re-quantize the moments. Blocks are spread over OpenMP
- * threads; the inner loops are plain arrays so the compiler vectorizes them (-O3 -march=native).
+ * threads; the update loops are plain arrays so the compiler vectorizes them (-O3 -march=native), the 8-bit
+ * codec (_adamw_codec.h) is written with AVX-512 intrinsics.
  * The arithmetic follows torch.optim.AdamW's single-tensor path operation by operation (fp contraction is off
  * at build time; explicit fmaf only where torch's vectorized lerp and addcmul use one), so fp32 mode matches torch to rounding.
  * Plain C with a ctypes entry point: no torch headers, so building takes about a second.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,25 +37,6 @@ typedef struct {
     uint32_t sr_key;
 } lt_args;
 
-static float g_code[2][256], g_thr[2][256];
-/* Thresholds regrouped by binary-search level: level j (step 128 >> j) holds thr[k * 2 * step + step - 1] for
- * k < 2^j. The AVX-512 encoder keeps each level in registers and looks it up with permutes: gathers were 60% of
- * the 8-bit step on Zen 4. */
-static float g_lev[2][8][128] __attribute__((aligned(64)));
-
-/* Tables: index 0 = signed map (first moment), 1 = unsigned map (second moment); thr[255] must be +inf. */
-void lt_set_tables(const float *code_s, const float *thr_s, const float *code_u, const float *thr_u) {
-    memcpy(g_code[0], code_s, sizeof(g_code[0]));
-    memcpy(g_code[1], code_u, sizeof(g_code[1]));
-    memcpy(g_thr[0], thr_s, sizeof(g_thr[0]));
-    memcpy(g_thr[1], thr_u, sizeof(g_thr[1]));
-    for (int w = 0; w < 2; w++)
-        for (int j = 0; j < 8; j++) {
-            const int step = 128 >> j;
-            for (int k = 0; k < (1 << j); k++) g_lev[w][j][k] = g_thr[w][k * 2 * step + step - 1];
-        }
-}
-
 static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
@@ -77,40 +60,7 @@ static inline uint16_t bf16_stochastic(float f, uint32_t key, int64_t i) {
     return (uint16_t)((u + r) >> 16);
 }
 
-/* Nearest code = number of decision thresholds strictly below x (ties go to the lower code). */
-static inline uint8_t encode(int which, float x) {
-    int c = 0;
-    for (int step = 128; step > 0; step >>= 1) c += (x > g_thr[which][c + step - 1]) ? step : 0;
-    return (uint8_t)c;
-}
-
-#ifdef __AVX512F__
-static inline __m512 lev_lookup(const float *t, int j, __m512i k) {
-    if (j <= 4) return _mm512_permutexvar_ps(k, _mm512_load_ps(t));
-    const __mmask16 b5 = _mm512_test_epi32_mask(k, _mm512_set1_epi32(32));
-    const __m512 lo = _mm512_permutex2var_ps(_mm512_load_ps(t), k, _mm512_load_ps(t + 16));
-    if (j == 5) return lo;
-    const __m512 hi = _mm512_permutex2var_ps(_mm512_load_ps(t + 32), k, _mm512_load_ps(t + 48));
-    const __m512 r = _mm512_mask_blend_ps(b5, lo, hi);
-    if (j == 6) return r;
-    const __m512 lo2 = _mm512_permutex2var_ps(_mm512_load_ps(t + 64), k, _mm512_load_ps(t + 80));
-    const __m512 hi2 = _mm512_permutex2var_ps(_mm512_load_ps(t + 96), k, _mm512_load_ps(t + 112));
-    const __mmask16 b6 = _mm512_test_epi32_mask(k, _mm512_set1_epi32(64));
-    return _mm512_mask_blend_ps(b6, r, _mm512_mask_blend_ps(b5, lo2, hi2));
-}
-
-static inline __m128i encode16(int w, __m512 x) {
-    __m512i c = _mm512_setzero_si512();
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; j++) { /* unrolled: j is a constant, so lev_lookup's branches fold away */
-        const __m512i k = _mm512_srli_epi32(c, 8 - j);
-        const __m512 t = j == 0 ? _mm512_set1_ps(g_lev[w][0][0]) : lev_lookup(g_lev[w][j], j, k);
-        const __mmask16 up = _mm512_cmp_ps_mask(x, t, _CMP_GT_OQ);
-        c = _mm512_mask_add_epi32(c, up, c, _mm512_set1_epi32(128 >> j));
-    }
-    return _mm512_cvtepi32_epi8(c);
-}
-#endif
+#include "_adamw_codec.h"
 
 /* The update proper, reading the big arrays in place: streaming all of them side by side keeps the hardware
  * prefetchers on (copying each into scratch first made this pass memory-latency bound, ~3x slower).
@@ -128,18 +78,8 @@ static inline __m128i encode16(int w, __m512 x) {
         v[i] = vi;                                                            \
     }
 
-static void do_block(const lt_args *a, int64_t s, int64_t len, float *restrict sm, float *restrict sv) {
-    const int64_t blk = s / a->block;
-    float *restrict m = a->mq ? sm : a->m + s;
-    float *restrict v = a->mq ? sv : a->v + s;
-    if (a->mq) {
-        const float am = a->mabs[blk], av = a->vabs[blk];
-        const uint8_t *mq = a->mq + s, *vq = a->vq + s;
-        for (int64_t i = 0; i < len; i++) {
-            m[i] = g_code[0][mq[i]] * am;
-            v[i] = g_code[1][vq[i]] * av;
-        }
-    }
+/* One range of the update; m, v: fp32 states, or decoded 8-bit states in scratch (updated in place). */
+static void update_range(const lt_args *a, int64_t s, int64_t len, float *restrict m, float *restrict v) {
     const float decay = a->decay, w1 = a->w1, b2 = a->beta2, w2 = a->w2;
     const float ns = a->neg_step, bc2 = a->bc2_sqrt, eps = a->eps, sc = a->grad_scale;
     const float *restrict g32 = (const float *)a->grad + s;
@@ -167,6 +107,33 @@ static void do_block(const lt_args *a, int64_t s, int64_t len, float *restrict s
         }
         if (cp) memcpy(cp, p, (size_t)len * 2);
     }
+}
+
+static void do_block(const lt_args *a, int64_t s, int64_t len, float *restrict sm, float *restrict sv) {
+    const int64_t blk = s / a->block;
+    float *restrict m = a->mq ? sm : a->m + s;
+    float *restrict v = a->mq ? sv : a->v + s;
+    if (a->mq) {
+        const float am = a->mabs[blk], av = a->vabs[blk];
+        const uint8_t *mq = a->mq + s, *vq = a->vq + s;
+        int64_t i = 0;
+#ifdef __AVX512VBMI__
+        for (; i + 64 <= len; i += 64) {
+            __m512 dm[4], dv[4];
+            dec64(0, mq + i, am, dm);
+            dec64(1, vq + i, av, dv);
+            for (int k = 0; k < 4; k++) {
+                _mm512_storeu_ps(m + i + 16 * k, dm[k]);
+                _mm512_storeu_ps(v + i + 16 * k, dv[k]);
+            }
+        }
+#endif
+        for (; i < len; i++) {
+            m[i] = g_code[0][mq[i]] * am;
+            v[i] = g_code[1][vq[i]] * av;
+        }
+    }
+    update_range(a, s, len, m, v);
     if (a->mq) {
         float am = 0.0f, av = 0.0f;
         int64_t i0 = 0;
@@ -190,11 +157,11 @@ static void do_block(const lt_args *a, int64_t s, int64_t len, float *restrict s
         uint8_t *mq = a->mq + s, *vq = a->vq + s;
         i0 = 0;
 #ifdef __AVX512F__
-        const __m512 vim = _mm512_set1_ps(im), viv = _mm512_set1_ps(iv);
-        for (; i0 + 16 <= len; i0 += 16) {
-            _mm_storeu_si128((__m128i *)(mq + i0), encode16(0, _mm512_mul_ps(_mm512_loadu_ps(m + i0), vim)));
-            _mm_storeu_si128((__m128i *)(vq + i0), encode16(1, _mm512_mul_ps(_mm512_loadu_ps(v + i0), viv)));
-        }
+        if (g_enc[0].ok && g_enc[1].ok)
+            for (; i0 + 64 <= len; i0 += 64) {
+                enc64(0, m + i0, im, mq + i0);
+                enc64(1, v + i0, iv, vq + i0);
+            }
 #endif
         for (int64_t i = i0; i < len; i++) {
             mq[i] = encode(0, m[i] * im);
@@ -203,6 +170,144 @@ static void do_block(const lt_args *a, int64_t s, int64_t len, float *restrict s
     }
 }
 
+#ifdef __AVX512VBMI__
+/* The 8-bit path in one AVX-512 loop: per 64 elements, decode the moments of block b, update them and the
+ * parameter (the same operations in the same order as LT_UPDATE_LOOP, so the same results), keep the new
+ * moments in scratch and their absmax in registers, and re-encode 64 elements of block b - 1, whose absmax is
+ * known by then. The update is bound by the divider (sqrt, two divisions), the codec by shuffles and integer
+ * ops: in one loop body they overlap (as separate passes, or even separate 64-element loops, they did not). */
+typedef struct {
+    int64_t s, len; /* the block waiting to be re-encoded (len 0: none) */
+    const float *m, *v;
+    float im, iv;
+} lt_pending;
+
+static inline __m512i v_bf16_rne(__m512i u) {
+    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                           _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_mov_epi32(_mm512_srli_epi32(r, 16), nan, _mm512_set1_epi32(0x7fc0));
+}
+
+static inline __m512i v_mix(__m512i x) {
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0x846ca68bu));
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+static inline __m512i v_bf16_stochastic(__m512i u, uint32_t key, int64_t i) {
+    const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(uint32_t)i),
+                                         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+    const __m512i r = _mm512_and_si512(
+        v_mix(_mm512_xor_si512(_mm512_mullo_epi32(idx, _mm512_set1_epi32((int)0x9e3779b9u)), _mm512_set1_epi32((int)key))),
+        _mm512_set1_epi32(0xffff));
+    const __mmask16 special = _mm512_cmpge_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                      _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_mov_epi32(_mm512_srli_epi32(_mm512_add_epi32(u, r), 16), special, v_bf16_rne(u));
+}
+
+static inline __m512 v_load_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* 16 elements at i of the update; g16, p16, cp are constants after inlining. */
+static inline __attribute__((always_inline)) void v_update16(const lt_args *a, int64_t i, __m512 *m, __m512 *v,
+                                                             int g16, int p16, int cp) {
+    const __m512 g = _mm512_mul_ps(g16 ? v_load_bf16((const uint16_t *)a->grad + i) : _mm512_loadu_ps((const float *)a->grad + i),
+                                   _mm512_set1_ps(a->grad_scale));
+    const __m512 mi = _mm512_fmadd_ps(_mm512_set1_ps(a->w1), _mm512_sub_ps(g, *m), *m);
+    const __m512 vi = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(a->w2), g), g, _mm512_mul_ps(*v, _mm512_set1_ps(a->beta2)));
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), _mm512_set1_ps(a->bc2_sqrt)), _mm512_set1_ps(a->eps));
+    const __m512 p = p16 ? v_load_bf16(a->p16 + i) : _mm512_loadu_ps(a->p32 + i);
+    const __m512 pn = _mm512_add_ps(_mm512_mul_ps(p, _mm512_set1_ps(a->decay)),
+                                    _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(a->neg_step), mi), denom));
+    if (p16) {
+        const __m256i b = _mm512_cvtepi32_epi16(v_bf16_stochastic(_mm512_castps_si512(pn), a->sr_key, i));
+        _mm256_storeu_si256((__m256i *)(a->p16 + i), b);
+        if (cp) _mm256_storeu_si256((__m256i *)(a->copy + i), b);
+    } else {
+        _mm512_storeu_ps(a->p32 + i, pn);
+        if (cp) _mm256_storeu_si256((__m256i *)(a->copy + i), _mm512_cvtepi32_epi16(v_bf16_rne(_mm512_castps_si512(pn))));
+    }
+    *m = mi;
+    *v = vi;
+}
+
+static inline __attribute__((always_inline)) void fused_blocks(const lt_args *a, int64_t b0, int64_t b1, float *scratch,
+                                                               int g16, int p16, int cp) {
+    const lt_args local = *a; /* a copy the stores cannot alias: scalars and pointers stay in registers */
+    a = &local;
+    const int64_t bs = a->block;
+    lt_pending q = {0, 0, NULL, NULL, 0.0f, 0.0f};
+    for (int64_t b = b0; b <= b1; b++) {
+        float *sm = scratch + (b & 1) * 2 * bs, *sv = sm + bs;
+        const int64_t s = b * bs, len = b == b1 ? 0 : (s + bs <= a->n ? bs : a->n - s);
+        const int64_t nfull = len & ~(int64_t)63, qfull = q.len & ~(int64_t)63;
+        const float am = len ? a->mabs[b] : 0.0f, av = len ? a->vabs[b] : 0.0f;
+        __m512 xam = _mm512_setzero_ps(), xav = _mm512_setzero_ps();
+        for (int64_t k = 0; k < nfull || k < qfull; k += 64) {
+            if (k < nfull) {
+                __m512 dm[4], dv[4];
+                dec64(0, a->mq + s + k, am, dm);
+                dec64(1, a->vq + s + k, av, dv);
+                for (int j = 0; j < 4; j++) {
+                    v_update16(a, s + k + 16 * j, &dm[j], &dv[j], g16, p16, cp);
+                    _mm512_storeu_ps(sm + k + 16 * j, dm[j]);
+                    _mm512_storeu_ps(sv + k + 16 * j, dv[j]);
+                    xam = _mm512_max_ps(xam, _mm512_abs_ps(dm[j]));
+                    xav = _mm512_max_ps(xav, dv[j]);
+                }
+            }
+            if (k < qfull) {
+                enc64(0, q.m + k, q.im, a->mq + q.s + k);
+                enc64(1, q.v + k, q.iv, a->vq + q.s + k);
+            }
+        }
+        for (int64_t i = qfull; i < q.len; i++) {
+            a->mq[q.s + i] = encode(0, q.m[i] * q.im);
+            a->vq[q.s + i] = encode(1, q.v[i] * q.iv);
+        }
+        if (!len) break;
+        float nm = _mm512_reduce_max_ps(xam), nv = _mm512_reduce_max_ps(xav);
+        if (nfull < len) { /* ragged tail: the generic code */
+            float *m = sm + nfull, *v = sv + nfull;
+            const int64_t tl = len - nfull;
+            for (int64_t i = 0; i < tl; i++) {
+                m[i] = g_code[0][a->mq[s + nfull + i]] * am;
+                v[i] = g_code[1][a->vq[s + nfull + i]] * av;
+            }
+            update_range(a, s + nfull, tl, m, v);
+            for (int64_t i = 0; i < tl; i++) {
+                const float x = fabsf(m[i]);
+                nm = x > nm ? x : nm;
+                nv = v[i] > nv ? v[i] : nv;
+            }
+        }
+        a->mabs[b] = nm;
+        a->vabs[b] = nv;
+        q = (lt_pending){s, len, sm, sv, nm > 0.0f ? 1.0f / nm : 0.0f, nv > 0.0f ? 1.0f / nv : 0.0f};
+    }
+}
+
+/* Blocks [b0, b1) of an 8-bit tensor; scratch holds two blocks' m and v. */
+static void do_blocks8(const lt_args *a, int64_t b0, int64_t b1, float *scratch) {
+    const int g16 = a->grad_bf16 != 0, p16 = a->p16 != NULL, cp = a->copy != NULL;
+    switch (g16 | p16 << 1 | cp << 2) {
+    case 0: fused_blocks(a, b0, b1, scratch, 0, 0, 0); break;
+    case 1: fused_blocks(a, b0, b1, scratch, 1, 0, 0); break;
+    case 2: fused_blocks(a, b0, b1, scratch, 0, 1, 0); break;
+    case 3: fused_blocks(a, b0, b1, scratch, 1, 1, 0); break;
+    case 4: fused_blocks(a, b0, b1, scratch, 0, 0, 1); break;
+    case 5: fused_blocks(a, b0, b1, scratch, 1, 0, 1); break;
+    case 6: fused_blocks(a, b0, b1, scratch, 0, 1, 1); break;
+    default: fused_blocks(a, b0, b1, scratch, 1, 1, 1); break;
+    }
+}
+#endif
+
 /* Returns 0 on success, 1 if scratch memory could not be allocated. */
 int lt_adamw_step(const lt_args *a) {
     const int64_t bs = a->block;
@@ -210,18 +315,27 @@ int lt_adamw_step(const lt_args *a) {
     int nt = a->nthreads > 0 ? a->nthreads : 1;
     if (nblk < nt) nt = (int)(nblk > 0 ? nblk : 1);
     int failed = 0;
+#ifdef __AVX512VBMI__
+    const int fused = a->mq && g_enc[0].ok && g_enc[1].ok;
+#else
+    const int fused = 0;
+#endif
 #pragma omp parallel num_threads(nt) reduction(| : failed)
     {
-        float *scratch = (float *)aligned_alloc(64, (size_t)(((bs * 8 + 63) / 64) * 64));
-        if (!scratch) {
-            failed = 1;
-        }
+        float *scratch = (float *)aligned_alloc(64, (size_t)(((bs * (fused ? 16 : 8) + 63) / 64) * 64));
+        failed = !scratch;
+        if (fused && scratch) {
+#ifdef __AVX512VBMI__
+            /* contiguous equal shares, as schedule(static) gives: the pipeline runs through its own range */
+            const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+            do_blocks8(a, nblk * t / T, nblk * (t + 1) / T, scratch);
+#endif
+        } else if (!fused) {
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < nblk; b++) {
-            if (!scratch) continue;
-            const int64_t s = b * bs;
-            const int64_t len = (s + bs <= a->n) ? bs : a->n - s;
-            do_block(a, s, len, scratch, scratch + bs);
+            for (int64_t b = 0; b < nblk; b++) {
+                const int64_t s = b * bs;
+                if (scratch) do_block(a, s, (s + bs <= a->n) ? bs : a->n - s, scratch, scratch + bs);
+            }
         }
         free(scratch);
     }

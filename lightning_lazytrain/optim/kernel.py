@@ -1,9 +1,9 @@
 """Build (once, cached) and call the fused C/OpenMP AdamW kernel through ctypes.
 
-The kernel is plain C (``_adamw_kernel.c``), not a torch extension: it needs only a C compiler with OpenMP at run
-time (gcc or clang; no ninja, no torch headers) and builds in about a second. The shared object is cached under
-``$LAZYTRAIN_CACHE`` (default ``~/.cache/lightning_lazytrain``) keyed by a hash of the source, the flags, the
-compiler and the CPU's flags, so each machine builds its own ``-march=native`` copy once. ctypes drops the GIL
+The kernel is plain C (``_adamw_kernel.c``, including the codec ``_adamw_codec.h``), not a torch extension: it
+needs only a C compiler with OpenMP at run time (gcc or clang; no ninja, no torch headers) and builds in about a
+second. The shared object is cached under ``$LAZYTRAIN_CACHE`` (default ``~/.cache/lightning_lazytrain``) keyed by
+a hash of the sources, the flags, the compiler and the CPU's flags, so each machine builds its own ``-march=native`` copy once. ctypes drops the GIL
 for the call, so the engine can run updates on worker threads while Python carries on.
 """
 
@@ -24,9 +24,10 @@ import torch
 
 from .quant import quant_tables
 
-__all__ = ["KernelUnavailable", "load_kernel", "kernel_available", "LtArgs"]
+__all__ = ["KernelUnavailable", "load_kernel", "kernel_available", "LtArgs", "kernel_encode", "fast_encoder"]
 
 _SRC = Path(__file__).with_name("_adamw_kernel.c")
+_HEADERS = [Path(__file__).with_name("_adamw_codec.h")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -88,7 +89,10 @@ def _cpu_tag() -> str:
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     key = hashlib.sha256(
-        b"\0".join([_SRC.read_bytes(), " ".join(_FLAGS).encode(), str(version).encode(), _cpu_tag().encode()])
+        b"\0".join(
+            [_SRC.read_bytes(), *(h.read_bytes() for h in _HEADERS), " ".join(_FLAGS).encode(), str(version).encode(),
+             _cpu_tag().encode()]
+        )
     ).hexdigest()[:16]
     cache = Path(os.environ.get("LAZYTRAIN_CACHE", Path.home() / ".cache" / "lightning_lazytrain"))
     out = cache / f"adamw_kernel_{key}.so"
@@ -129,6 +133,9 @@ def load_kernel() -> ctypes.CDLL:
             raise KernelUnavailable(_error) from e
         lib.lt_adamw_step.argtypes = [ctypes.POINTER(LtArgs)]
         lib.lt_adamw_step.restype = ctypes.c_int
+        lib.lt_encode.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        lib.lt_encode.restype = None
+        lib.lt_fast_encoder.restype = ctypes.c_int
         tabs = [t.contiguous() for s in (True, False) for t in quant_tables(s)]  # code, thr per map
         lib.lt_set_tables(*[ctypes.c_void_p(t.data_ptr()) for t in tabs])
         _lib = lib
@@ -141,6 +148,19 @@ def kernel_available() -> bool:
         return True
     except KernelUnavailable:
         return False
+
+
+def kernel_encode(x: torch.Tensor, signed: bool) -> torch.Tensor:
+    """Codes (uint8) the kernel's encoder gives values already divided by their block absmax (CPU fp32)."""
+    x = x.detach().to(device="cpu", dtype=torch.float32).contiguous().reshape(-1)
+    out = torch.empty(x.numel(), dtype=torch.uint8)
+    load_kernel().lt_encode(0 if signed else 1, x.data_ptr(), out.data_ptr(), x.numel())
+    return out
+
+
+def fast_encoder() -> bool:
+    """Whether the kernel uses its table-driven encoder (AVX-512 and map tables that passed its checks)."""
+    return bool(load_kernel().lt_fast_encoder())
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
