@@ -105,7 +105,8 @@ static inline __attribute__((always_inline)) __m512i enc16(const lt_enc *E, __m5
         a = _mm512_mask_add_epi32(a, neg, a, one);
         e = _mm512_srli_epi32(a, 23);
     } /* unsigned map: a negative x lands in octave 0, below every threshold, where g < 2^LT_FB: code 0 */
-    const __m512i o = _mm512_min_epi32(_mm512_max_epi32(e, _mm512_set1_epi32(LT_OCT0)), _mm512_set1_epi32(LT_OCT0 + 31));
+    const __m512i o =
+        _mm512_min_epi32(_mm512_max_epi32(e, _mm512_set1_epi32(LT_OCT0)), _mm512_set1_epi32(LT_OCT0 + 31));
     __m512i seg = _mm512_permutex2var_epi32(LT_LD(E->oseg), o, LT_LD(E->oseg + 16));
     const __m512i bnd = _mm512_permutex2var_epi32(LT_LD(E->obound), o, LT_LD(E->obound + 16));
     seg = _mm512_mask_add_epi32(seg, _mm512_cmpgt_epi32_mask(a, bnd), seg, one);

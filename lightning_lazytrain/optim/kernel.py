@@ -3,8 +3,9 @@
 The kernel is plain C (``_adamw_kernel.c``, including the codec ``_adamw_codec.h``), not a torch extension: it
 needs only a C compiler with OpenMP at run time (gcc or clang; no ninja, no torch headers) and builds in about a
 second. The shared object is cached under ``$LAZYTRAIN_CACHE`` (default ``~/.cache/lightning_lazytrain``) keyed by
-a hash of the sources, the flags, the compiler and the CPU's flags, so each machine builds its own ``-march=native`` copy once. ctypes drops the GIL
-for the call, so the engine can run updates on worker threads while Python carries on.
+a hash of the sources, the flags, the compiler and the CPU's flags, so each machine builds its own
+``-march=native`` copy once. ctypes drops the GIL for the call, so the engine can run updates on worker threads
+while Python carries on.
 """
 
 from __future__ import annotations
@@ -90,8 +91,13 @@ def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     key = hashlib.sha256(
         b"\0".join(
-            [_SRC.read_bytes(), *(h.read_bytes() for h in _HEADERS), " ".join(_FLAGS).encode(), str(version).encode(),
-             _cpu_tag().encode()]
+            [
+                _SRC.read_bytes(),
+                *(h.read_bytes() for h in _HEADERS),
+                " ".join(_FLAGS).encode(),
+                str(version).encode(),
+                _cpu_tag().encode(),
+            ]
         )
     ).hexdigest()[:16]
     cache = Path(os.environ.get("LAZYTRAIN_CACHE", Path.home() / ".cache" / "lightning_lazytrain"))

@@ -7,8 +7,9 @@ moments (never negative) the unsigned one, as bitsandbytes' 8-bit optimizers do,
 handed to ``bitsandbytes.functional.dequantize_blockwise`` unchanged.
 
 Encoding is exact nearest-value: the code of ``x`` is the number of decision thresholds (midpoints between
-neighbouring map values) strictly below ``x``. The C kernel finds it by an 8-level binary search held in AVX-512
-registers, the torch reference below by ``searchsorted``; both use the same fp32 thresholds, hence the same codes.
+neighbouring map values) strictly below ``x``. The C kernel finds it from the float's octave and a line fitted to
+each decade's evenly spaced thresholds, checked exact against these thresholds (``_adamw_codec.h``); the torch
+reference below by ``searchsorted``; both use the same fp32 thresholds, hence the same codes.
 (bitsandbytes' own CPU quantizer is not always nearest for tiny values; its codes decode identically here.)
 """
 
@@ -61,7 +62,7 @@ def quant_tables(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(code book fp32[256], decision thresholds fp32[256]) for the signed or unsigned map.
 
     ``thr[j]`` is the midpoint of codes j and j+1 (``thr[255] = +inf``); the nearest code of ``x`` is the number
-    of thresholds strictly below ``x`` (ties to the lower code), which the kernel finds by binary search.
+    of thresholds strictly below ``x`` (ties to the lower code).
     """
     code = dynamic_map(signed)
     thr = torch.empty(256, dtype=torch.float32)
