@@ -1,9 +1,9 @@
 """A CUDA out-of-memory error inside a step reaches the user as a GpuMemoryError that names the plan, the bytes
 asked and what to change (simulated on the CPU: the engine's control flow is the same)."""
 
+import lightning.pytorch as pl
 import pytest
 import torch
-import lightning.pytorch as pl
 from helpers import LMModule, batches, tiny_model
 
 from lightning_lazytrain import LazyTrainStrategy
