@@ -14,7 +14,6 @@ read of unit ``i`` waits only for job ``i``. The CPU threads of the update are t
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +21,7 @@ import torch
 from lightning_lazytrain.engine.device import host_wait
 from lightning_lazytrain.engine.shared_store import SharedParamStore
 from lightning_lazytrain.engine.store import ParamEntry, ParamUnit
-from lightning_lazytrain.engine.updates import submit_updates
+from lightning_lazytrain.engine.updates import UnitUpdateQueue
 from lightning_lazytrain.optim import HybridAdamW
 
 
@@ -59,12 +58,11 @@ def shard_optimizer(user: HybridAdamW, store: SharedParamStore) -> tuple[HybridA
     return shard, pieces
 
 
-class ShardedUpdateQueue:
+class ShardedUpdateQueue(UnitUpdateQueue):
     def __init__(self, user: HybridAdamW, store: SharedParamStore, timeout_s: float) -> None:
-        self.user, self.store, self.timeout_s = user, store, timeout_s
-        self.units = store.units
-        self.optimizer, self._pieces = shard_optimizer(user, store)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-update")
+        shard, self._pieces = shard_optimizer(user, store)
+        super().__init__(shard, store.units, timeout_s)
+        self.user, self.store = user, store
 
     def sync_hyperparameters(self) -> None:
         """Copy lr, betas, ... from the user's groups (where schedulers change them) into the pieces' groups."""
@@ -85,7 +83,7 @@ class ShardedUpdateQueue:
     def schedule(self, clip_coef: float) -> None:
         self.sync_hyperparameters()
         coef = clip_coef / self.store.topology.world_size  # the reduce-scatter summed; this makes it the mean
-        submit_updates(self.units, self._pool, self._run, coef, self.optimizer)
+        self._submit(coef)
 
     def _run(self, unit: ParamUnit, coef: float, lr_of: dict[int, float]) -> None:
         host_wait(unit.grads_ready, f"the gradient shard of {unit.label}", self.timeout_s)
@@ -96,11 +94,3 @@ class ShardedUpdateQueue:
         self.store.publish(unit)
         unit.generation += 1
         unit.dirty = False
-
-    def wait_all(self) -> None:
-        for unit in self.units:
-            unit.await_update(self.timeout_s)
-
-    def close(self) -> None:
-        self.wait_all()
-        self._pool.shutdown(wait=True)

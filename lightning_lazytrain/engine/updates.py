@@ -16,29 +16,28 @@ from lightning_lazytrain.engine.device import host_wait
 from lightning_lazytrain.engine.store import ParamUnit
 
 
-class UpdateQueue:
+class UnitUpdateQueue:
+    """The worker thread and the ordering shared by every update queue; subclasses say what one unit's job is."""
+
     def __init__(self, optimizer: torch.optim.Optimizer, units: list[ParamUnit], timeout_s: float) -> None:
         self.optimizer = optimizer
         self.units = units
         self.timeout_s = timeout_s
-        managed = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        self._params = {
-            u.index: [(i, e.param) for i, e in enumerate(u.unique) if id(e.param) in managed] for u in units
-        }
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-update")
 
-    def schedule(self, clip_coef: float) -> None:
-        submit_updates(self.units, self._pool, self._run, clip_coef, self.optimizer)
+    def _submit(self, coef: float) -> None:
+        """Queue ``_run(unit, coef, lr_of)`` for every unit with fresh gradients, in forward order, each after the
+        unit's previous update; the learning rates are read now, so a scheduler stepping meanwhile cannot leak in."""
+        lr_of = {id(group): group["lr"] for group in self.optimizer.param_groups}
+        for unit in self.units:
+            if not unit.has_grads:
+                continue
+            unit.has_grads = False
+            unit.await_update()
+            unit.pending_update = self._pool.submit(self._run, unit, coef, lr_of)
 
-    def _run(self, unit: ParamUnit, clip_coef: float, lr_of: dict[int, float]) -> None:
-        host_wait(unit.grads_ready, f"the gradient copy of {unit.label}", self.timeout_s)
-        unit.grad_refs = None
-        chosen = [(i, p) for i, p in self._params[unit.index] if p.requires_grad]
-        grads = [unit.grad_lowp[unit.unique[i].offset : unit.unique[i].offset + p.numel()].view(p.shape)
-                 for i, p in chosen]
-        self.optimizer.step_params([p for _, p in chosen], clip_coef, grads, lr_of)
-        unit.generation += 1
-        unit.dirty = False
+    def _run(self, unit: ParamUnit, coef: float, lr_of: dict[int, float]) -> None:
+        raise NotImplementedError
 
     def wait_all(self) -> None:
         for unit in self.units:
@@ -49,13 +48,23 @@ class UpdateQueue:
         self._pool.shutdown(wait=True)
 
 
-def submit_updates(units, pool: ThreadPoolExecutor, run, coef: float, optimizer: torch.optim.Optimizer) -> None:
-    """Queue ``run(unit, coef, lr_of)`` for every unit with fresh gradients, in forward order, each after the
-    unit's previous update; the learning rates are read now, so a scheduler stepping meanwhile cannot leak in."""
-    lr_of = {id(group): group["lr"] for group in optimizer.param_groups}
-    for unit in units:
-        if not unit.has_grads:
-            continue
-        unit.has_grads = False
-        unit.await_update()
-        unit.pending_update = pool.submit(run, unit, coef, lr_of)
+class UpdateQueue(UnitUpdateQueue):
+    def __init__(self, optimizer: torch.optim.Optimizer, units: list[ParamUnit], timeout_s: float) -> None:
+        super().__init__(optimizer, units, timeout_s)
+        managed = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        self._params = {
+            u.index: [(i, e.param) for i, e in enumerate(u.unique) if id(e.param) in managed] for u in units
+        }
+
+    def schedule(self, clip_coef: float) -> None:
+        self._submit(clip_coef)
+
+    def _run(self, unit: ParamUnit, clip_coef: float, lr_of: dict[int, float]) -> None:
+        host_wait(unit.grads_ready, f"the gradient copy of {unit.label}", self.timeout_s)
+        unit.grad_refs = None
+        chosen = [(i, p) for i, p in self._params[unit.index] if p.requires_grad]
+        grads = [unit.grad_lowp[unit.unique[i].offset : unit.unique[i].offset + p.numel()].view(p.shape)
+                 for i, p in chosen]
+        self.optimizer.step_params([p for _, p in chosen], clip_coef, grads, lr_of)
+        unit.generation += 1
+        unit.dirty = False
