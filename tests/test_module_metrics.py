@@ -1,3 +1,4 @@
+import mmap
 from types import SimpleNamespace
 
 import pytest
@@ -45,6 +46,8 @@ def test_executed_equals_model_without_factor():
 def test_helpers():
     assert model_flops_per_token(10, 2, 4, 8) == 6 * 10 + 12 * 2 * 4 * 8
     before = host_rss_bytes()
-    block = torch.ones(64 * 2**20 // 4)  # 64 MiB touched
+    # a fresh anonymous mapping, so no allocator can hand back pages that are already resident
+    block = mmap.mmap(-1, 64 * 2**20)
+    block.write(b"\1" * (64 * 2**20))
     assert host_rss_bytes() > before + 32 * 2**20
-    del block
+    block.close()
