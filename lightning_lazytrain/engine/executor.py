@@ -252,10 +252,12 @@ class StreamingExecutor:
         copies, h2d, d2h = (a - b for a, b in zip(now, before))
         homes = self.homes.stats() if self.homes is not None else {}
         waited = sum(u.update_wait_seconds for u in self.store.units)
+        busy = sum(u.update_busy_seconds for u in self.store.units)
         for unit in self.store.units:
-            unit.update_wait_seconds = 0.0
+            unit.update_wait_seconds = unit.update_busy_seconds = 0.0
         return {"layer_h2d_copies": float(copies), "h2d_gib": h2d / 2**30, "d2h_gib": d2h / 2**30,
                 "stall_s": self.queues.take_stall_seconds(), "update_wait_s": waited,
+                "update_busy_s": busy,
                 **{f"act_{k}": float(v) for k, v in homes.items() if k != "host_buffers"}}
 
     def head_weight(self) -> torch.Tensor:

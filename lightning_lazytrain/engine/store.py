@@ -51,6 +51,7 @@ class ParamUnit:
     has_grads: bool = False
     pending_update: Future | None = None
     update_wait_seconds: float = 0.0
+    update_busy_seconds: float = 0.0
 
     def await_update(self, timeout_s: float = 600.0) -> None:
         """Block until an optimizer update of this unit that runs on a worker thread has finished.

@@ -8,6 +8,7 @@ the bf16 streamed copy; bumping the unit's generation tells the weight slots the
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -34,7 +35,15 @@ class UnitUpdateQueue:
                 continue
             unit.has_grads = False
             unit.await_update()
-            unit.pending_update = self._pool.submit(self._run, unit, coef, lr_of)
+            unit.pending_update = self._pool.submit(self._timed, unit, coef, lr_of)
+
+    def _timed(self, unit: ParamUnit, coef: float, lr_of: dict[int, float]) -> None:
+        # the worker's own time (gradient wait included): with update_wait_seconds it says how much was hidden
+        start = time.perf_counter()
+        try:
+            self._run(unit, coef, lr_of)
+        finally:
+            unit.update_busy_seconds += time.perf_counter() - start
 
     def _run(self, unit: ParamUnit, coef: float, lr_of: dict[int, float]) -> None:
         raise NotImplementedError

@@ -314,12 +314,19 @@ static void do_blocks8(const lt_args *a, int64_t b0, int64_t b1, float *scratch)
 }
 #endif
 
+/* Blocks per work item of the shared queue: big enough that the 8-bit pipeline's one extra drain per item and
+ * the queue's atomic are noise, small enough that a thread sharing its core with the training loop (the main
+ * thread launching GPU work) only finishes fewer items instead of holding back the whole team, as equal static
+ * shares would: measured there at the speed of the slowed thread. */
+#define LT_ITEM_BLOCKS 8
+
 /* Returns 0 on success, 1 if scratch memory could not be allocated. */
 int lt_adamw_step(const lt_args *a) {
     const int64_t bs = a->block;
     const int64_t nblk = (a->n + bs - 1) / bs;
+    const int64_t nitems = (nblk + LT_ITEM_BLOCKS - 1) / LT_ITEM_BLOCKS;
     int nt = a->nthreads > 0 ? a->nthreads : 1;
-    if (nblk < nt) nt = (int)(nblk > 0 ? nblk : 1);
+    if (nitems < nt) nt = (int)(nitems > 0 ? nitems : 1);
     int failed = 0;
 #ifdef __AVX512VBMI__
     const int fused = a->mq && g_enc[0].ok && g_enc[1].ok;
@@ -330,17 +337,20 @@ int lt_adamw_step(const lt_args *a) {
     {
         float *scratch = (float *)aligned_alloc(64, (size_t)(((bs * (fused ? 16 : 8) + 63) / 64) * 64));
         failed = !scratch;
-        if (fused && scratch) {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < nitems; item++) {
+            const int64_t b0 = item * LT_ITEM_BLOCKS;
+            const int64_t b1 = b0 + LT_ITEM_BLOCKS < nblk ? b0 + LT_ITEM_BLOCKS : nblk;
+            if (!scratch) continue;
 #ifdef __AVX512VBMI__
-            /* contiguous equal shares, as schedule(static) gives: the pipeline runs through its own range */
-            const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
-            do_blocks8(a, nblk * t / T, nblk * (t + 1) / T, scratch);
+            if (fused) {
+                do_blocks8(a, b0, b1, scratch);
+                continue;
+            }
 #endif
-        } else if (!fused) {
-#pragma omp for schedule(static)
-            for (int64_t b = 0; b < nblk; b++) {
+            for (int64_t b = b0; b < b1; b++) {
                 const int64_t s = b * bs;
-                if (scratch) do_block(a, s, (s + bs <= a->n) ? bs : a->n - s, scratch, scratch + bs);
+                do_block(a, s, (s + bs <= a->n) ? bs : a->n - s, scratch, scratch + bs);
             }
         }
         free(scratch);
