@@ -83,12 +83,12 @@ def solve_plan(settings: PlanSettings, executor: StreamingExecutor, batch: int, 
 
 def budgets(settings: PlanSettings, executor: StreamingExecutor) -> tuple[int, int, int]:
     """Activation budgets in bytes: what the user set, else half the free device memory left after the weight
-    slots (the other half is the working set of the layer being run), a quarter of the available host RAM, and
-    80% of the spill dir's free space."""
+    slots and what device-side updates hold (the other half is the working set of the layer being run), a quarter
+    of the available host RAM, and 80% of the spill dir's free space."""
     if settings.gpu_activation_gib is not None:
         gpu = int(settings.gpu_activation_gib * GIB)
     elif executor.device.type == "cuda":
-        gpu = int(device_free_bytes(executor.device) * 0.5)
+        gpu = int(max(0, device_free_bytes(executor.device) - executor.device_update_reserve_bytes) * 0.5)
     else:
         gpu = int(psutil.virtual_memory().available * 0.25)
     cpu = int(settings.cpu_activation_gib * GIB) if settings.cpu_activation_gib is not None else int(

@@ -62,6 +62,11 @@ class LazyTrainStrategy(ProcessGroupStrategy):
         overlap_updates: with an optimizer that can update a subset of parameters (``HybridAdamW``), automatic
             optimization and no gradient accumulation, the engine runs the update per layer on a worker thread from
             bf16 host gradients, hidden behind the next forward. ``.grad`` is then not filled on the host.
+        device_update_share: with overlapped updates on CUDA, the share of parameters whose update runs on the GPU
+            at the same time as the CPU's (their gradients stay on the device; masters and states are copied in
+            and out). ``None``: chosen from the CPU update rate and the link bandwidth measured at setup;
+            ``0.0``: all on the CPU. Other values force that share, also on the CPU accelerator (where the
+            "device" path is the torch reference update on copies: a test of the control flow).
         timeout_s: longest wait for any transfer before an error names it.
         gpu_activation_gib / cpu_activation_gib / nvme_activation_gib: activation budgets for the MILP (default:
             half the free GPU memory, a quarter of the available host RAM, 80% of the spill dir's free space).
@@ -84,6 +89,7 @@ class LazyTrainStrategy(ProcessGroupStrategy):
         prefetch_depth: int = 2,
         pin_memory: bool | None = None,
         overlap_updates: bool = True,
+        device_update_share: float | None = None,
         timeout_s: float = 600.0,
         gpu_activation_gib: float | None = None,
         cpu_activation_gib: float | None = None,
@@ -103,6 +109,9 @@ class LazyTrainStrategy(ProcessGroupStrategy):
         self.pin_memory = pin_memory
         self.timeout_s = timeout_s
         self.overlap_updates = overlap_updates
+        if device_update_share is not None and not 0.0 <= device_update_share <= 1.0:
+            raise ValueError(f"device_update_share must be in [0, 1] or None (automatic), got {device_update_share}")
+        self.device_update_share = device_update_share
         self.nonfinite_guard = NonFiniteGuard()
         self.skipped_steps = 0
         self.executor: StreamingExecutor | None = None
@@ -234,7 +243,7 @@ class LazyTrainStrategy(ProcessGroupStrategy):
         if self.distributed:
             self.executor.enable_sharded_updates(self.optimizers[0])
         else:
-            self.executor.enable_direct_updates(self.optimizers[0])
+            self.executor.enable_direct_updates(self.optimizers[0], self.device_update_share)
         trainer_ref = trainer
 
         def direct_step(clip_val: float | None) -> None:

@@ -142,3 +142,32 @@ def test_bf16_true_direct_updates_match_plain_stochastic_rounding():
     ref32, _ = fit(HybridModule(copy.deepcopy(model), 1.0), data)
     noise = update_rel_diff(model, ref.model, ref32.model)
     assert update_rel_diff(model, lt.model, ref.model) <= 2 * noise
+
+
+@pytest.mark.parametrize(("fraction", "precision"), [(0.0, "32-true"), (1.0, "32-true"), (0.0, "bf16-true")])
+def test_device_update_path_matches_plain_hybrid_adamw(fraction, precision):
+    """Half the units through the device path (on the CPU accelerator: the torch reference update on copies,
+    with gradients kept where the backward left them) and half through the kernel: the numbers of a plain run."""
+    model, data = tiny_model("qwen2"), batches(3)
+    ref, _ = fit(HybridModule(copy.deepcopy(model), fraction, schedule=True), data, precision=precision,
+                 gradient_clip_val=0.05)
+    strategy = LazyTrainStrategy(device_update_share=0.5)
+    lt, trainer = fit(HybridModule(copy.deepcopy(model), fraction, schedule=True), data, strategy,
+                      precision=precision, gradient_clip_val=0.05)
+    stats = trainer.strategy.last_step_stats  # both workers ran
+    assert stats["device_update_busy_s"] > 0 and stats["update_busy_s"] > 0
+    assert rel_diff(ref.model, model) > 1e-3
+    tol = 1e-5 if precision == "32-true" else 1e-2  # bf16-true: stochastic rounding of the same fp32 values
+    assert rel_diff(lt.model, ref.model) <= tol
+
+
+def test_split_units_balances_finish_times_in_forward_order():
+    from lightning_lazytrain.engine.device_updates import UnitTraffic, split_by_share, split_units
+
+    units = [UnitTraffic(numel=100, h2d_bytes=600, d2h_bytes=800, grad_bytes=200) for _ in range(8)]
+    # CPU 100 params/s (1 s a unit), device link 800 B/s (1 s a unit): alternate, the first to the CPU (ties)
+    assert split_units(units, 100.0, 800.0, 800.0) == [False, True] * 4
+    # a device three times slower gets one unit in four
+    assert sum(split_units(units, 100.0, 800.0 / 3, 800.0 / 3)) == 2
+    assert split_by_share(units, 0.0) == [False] * 8 and split_by_share(units, 1.0) == [True] * 8
+    assert sum(split_by_share(units, 0.25)) == 2

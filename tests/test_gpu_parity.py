@@ -26,3 +26,29 @@ def test_gpu_bf16_mixed_close_to_plain():
     lt16, _ = train(model, data, accelerator="gpu", precision="bf16-mixed", strategy="lazytrain")
     noise = update_rel_diff(model, ref16.model.cpu(), ref32.model.cpu())
     assert update_rel_diff(model, lt16.model.cpu(), ref16.model.cpu()) <= 2 * noise
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1.0])
+@pytest.mark.parametrize("share", [0.5, 1.0])
+def test_gpu_device_updates_match_cpu_updates(fraction, share):
+    """Updates on the GPU (gradients kept there, masters and states copied in and out on their own stream) give
+    the CPU kernel's numbers."""
+    import copy
+
+    import lightning.pytorch as pl
+    from helpers import loader
+    from test_engine_updates import HybridModule
+
+    model, data = tiny_model("qwen2"), batches(3)
+    out = []
+    for s in (0.0, share):
+        module = HybridModule(copy.deepcopy(model), fraction)
+        trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=LazyTrainStrategy(device_update_share=s),
+                             max_steps=3, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                             enable_checkpointing=False, gradient_clip_val=0.05)
+        trainer.fit(module, loader(data))
+        out.append((module, trainer.strategy.last_step_stats))
+    (cpu, _), (dev, stats) = out
+    assert stats["device_update_busy_s"] > 0
+    assert rel_diff(cpu.model.cpu(), model) > 1e-3
+    assert rel_diff(dev.model.cpu(), cpu.model.cpu()) <= 1e-5

@@ -4,7 +4,7 @@ When the engine runs the update itself (``HybridAdamW.step_params``), there is n
 layer's gradients are copied on the D2H stream, in the compute dtype, into that unit's own buffer (2 bytes per
 parameter under bf16, pinned once at setup), and the update job waits on the copy's event. Nothing runs on the
 CPU during the backward. The squared gradient norm is summed on the device as the layers go, for clipping and the
-non-finite check.
+non-finite check. Units updated on the device (``engine/device_updates.py``) keep their gradients there instead.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ class DirectGradSink:
         self.queues = queues
         self.d2h_bytes = 0
         for unit in store.units:
-            unit.grad_lowp = store.pinned.empty(unit.numel, dtype)
+            unit.grad_lowp = None if unit.update_on_device else store.pinned.empty(unit.numel, dtype)
         self._norm_sq: torch.Tensor | None = None
 
     def submit(self, unit: ParamUnit, grads: list[torch.Tensor | None]) -> None:
@@ -30,6 +30,11 @@ class DirectGradSink:
         norm_sq = grad_norm_sq(grads).to(self.queues.device)
         self._norm_sq = norm_sq if self._norm_sq is None else self._norm_sq + norm_sq
         ready = self.queues.record()
+        if unit.update_on_device:  # updated on the GPU: the gradients stay where they are
+            unit.device_grads = list(grads)
+            unit.grads_ready = ready
+            unit.has_grads = True
+            return
         self.queues.wait(ready, self.queues.d2h)
         with self.queues.on(self.queues.d2h):
             for entry, grad in zip(unit.unique, grads):
@@ -53,4 +58,4 @@ class DirectGradSink:
 
     def close(self) -> None:
         for unit in self.store.units:
-            unit.grad_lowp = unit.grad_refs = None
+            unit.grad_lowp = unit.grad_refs = unit.device_grads = None

@@ -9,6 +9,7 @@ after each backward. With labels, the causal-LM forward routes the loss through 
 from __future__ import annotations
 
 import contextlib
+import logging
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,6 +21,13 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from lightning_lazytrain.engine.binding import bound, leaves_of
 from lightning_lazytrain.engine.device import DeviceQueues, device_free_bytes
+from lightning_lazytrain.engine.device_updates import (
+    DeviceUpdatePath,
+    measure_cpu_update_rate,
+    split_by_share,
+    split_units,
+    unit_traffic,
+)
 from lightning_lazytrain.engine.direct_grads import DirectGradSink
 from lightning_lazytrain.engine.grads import GradSink
 from lightning_lazytrain.engine.homes import ActivationHomes
@@ -33,6 +41,9 @@ from lightning_lazytrain.engine.store import HostParamStore
 from lightning_lazytrain.engine.updates import UpdateQueue
 from lightning_lazytrain.models import ModelAdapter
 from lightning_lazytrain.optim import NonFiniteGuard, clip_coefficient
+from lightning_lazytrain.schedule.profile import measure_link_cuda
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -82,6 +93,7 @@ class StreamingExecutor:
             self.store, self.queues, slot_numel, stream_dtype, timeout_s=timeout_s
         )
         self.updates: UpdateQueue | ShardedUpdateQueue | None = None
+        self.device_update_reserve_bytes = 0
         self._resident_buf = torch.empty(self.resident_unit.numel, dtype=stream_dtype, device=device)
         self._resident_leaves: list[torch.Tensor] | None = None
         self._resident_generation = -1
@@ -209,18 +221,47 @@ class StreamingExecutor:
         if self.updates is None:
             self.store.mark_dirty()
 
-    def enable_direct_updates(self, optimizer: torch.optim.Optimizer) -> None:
-        """Let the engine run ``optimizer.step_params`` per unit from bf16 host gradients, off the main thread."""
+    def enable_direct_updates(self, optimizer: torch.optim.Optimizer, device_update_share: float | None = None) -> None:
+        """Let the engine run ``optimizer.step_params`` per unit from bf16 host gradients, off the main thread.
+
+        ``device_update_share``: the share of parameters whose update runs on the GPU beside the CPU's
+        (``engine/device_updates.py``); ``None`` picks it from the measured CPU update and link rates on CUDA and
+        is 0 on the CPU.
+        """
+        units = self.store.units
+        itemsize = torch.empty((), dtype=self.store.stream_dtype).element_size()
+        traffic = [unit_traffic(u, optimizer, itemsize) for u in units]
+        if device_update_share is None:
+            flags = self._timed_split(optimizer, traffic) if self.queues.is_cuda else [False] * len(units)
+        else:
+            flags = split_by_share(traffic, device_update_share)
+        for unit, flag in zip(units, flags, strict=True):
+            unit.update_on_device = flag
+        on_device = [t for t, f in zip(traffic, flags, strict=True) if f]
+        # kept gradients until their update ran, plus one unit's master and states in flight (two, double-buffered)
+        self.device_update_reserve_bytes = sum(t.grad_bytes for t in on_device) + 2 * max(
+            (t.h2d_bytes for t in on_device), default=0)
         self.sink.close()
         self.sink = DirectGradSink(self.store, self.queues, self.store.stream_dtype)
         managed = {id(p) for group in optimizer.param_groups for p in group["params"]}
         if self.store.master_dtype != self.store.stream_dtype:
-            for unit in self.store.units:
+            for unit in units:
                 for e in unit.unique:
                     if id(e.param) in managed:
                         copy = unit.stream[e.offset : e.offset + e.numel].view(e.shape)
                         optimizer.register_stream_copy(e.param, copy)
-        self.updates = UpdateQueue(optimizer, self.store.units, self.timeout_s)
+        path = DeviceUpdatePath(optimizer, units, self.queues, self.timeout_s) if any(flags) else None
+        self.updates = UpdateQueue(optimizer, units, self.timeout_s, path)
+
+    def _timed_split(self, optimizer: torch.optim.Optimizer, traffic: list) -> list[bool]:
+        cpu_rate = measure_cpu_update_rate(optimizer)
+        h2d, d2h, duplex = measure_link_cuda(self.device)
+        h2d, d2h = min(h2d, duplex / 2), min(d2h, duplex / 2)  # both directions run at once
+        flags = split_units(traffic, cpu_rate, h2d, d2h)
+        share = sum(t.numel for t, f in zip(traffic, flags, strict=True) if f) / max(1, sum(t.numel for t in traffic))
+        log.info("lazytrain: CPU update %.2f G params/s, link %.1f / %.1f GB/s -> %.0f%% of the parameters updated on"
+                 " the GPU", cpu_rate / 1e9, h2d / 1e9, d2h / 1e9, 100 * share)
+        return flags
 
     def enable_sharded_updates(self, optimizer: torch.optim.Optimizer) -> None:
         """Several processes (a ``SharedParamStore``): gradients are reduce-scattered on the device, each rank
@@ -252,12 +293,13 @@ class StreamingExecutor:
         copies, h2d, d2h = (a - b for a, b in zip(now, before))
         homes = self.homes.stats() if self.homes is not None else {}
         waited = sum(u.update_wait_seconds for u in self.store.units)
-        busy = sum(u.update_busy_seconds for u in self.store.units)
+        busy = sum(u.update_busy_seconds for u in self.store.units if not u.update_on_device)
+        device_busy = sum(u.update_busy_seconds for u in self.store.units if u.update_on_device)
         for unit in self.store.units:
             unit.update_wait_seconds = unit.update_busy_seconds = 0.0
         return {"layer_h2d_copies": float(copies), "h2d_gib": h2d / 2**30, "d2h_gib": d2h / 2**30,
                 "stall_s": self.queues.take_stall_seconds(), "update_wait_s": waited,
-                "update_busy_s": busy,
+                "update_busy_s": busy, "device_update_busy_s": device_busy,
                 **{f"act_{k}": float(v) for k, v in homes.items() if k != "host_buffers"}}
 
     def head_weight(self) -> torch.Tensor:

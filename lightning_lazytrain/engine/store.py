@@ -52,6 +52,8 @@ class ParamUnit:
     pending_update: Future | None = None
     update_wait_seconds: float = 0.0
     update_busy_seconds: float = 0.0
+    update_on_device: bool = False
+    device_grads: list | None = None
 
     def await_update(self, timeout_s: float = 600.0) -> None:
         """Block until an optimizer update of this unit that runs on a worker thread has finished.

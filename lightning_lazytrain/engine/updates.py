@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from lightning_lazytrain.engine.device import host_wait
+from lightning_lazytrain.engine.device_updates import DeviceUpdatePath
 from lightning_lazytrain.engine.store import ParamUnit
 
 
@@ -35,7 +36,10 @@ class UnitUpdateQueue:
                 continue
             unit.has_grads = False
             unit.await_update()
-            unit.pending_update = self._pool.submit(self._timed, unit, coef, lr_of)
+            unit.pending_update = self._pool_for(unit).submit(self._timed, unit, coef, lr_of)
+
+    def _pool_for(self, unit: ParamUnit) -> ThreadPoolExecutor:
+        return self._pool
 
     def _timed(self, unit: ParamUnit, coef: float, lr_of: dict[int, float]) -> None:
         # the worker's own time (gradient wait included): with update_wait_seconds it says how much was hidden
@@ -55,25 +59,51 @@ class UnitUpdateQueue:
     def close(self) -> None:
         self.wait_all()
         self._pool.shutdown(wait=True)
+        self._close_paths()
+
+    def _close_paths(self) -> None:
+        """Release what a subclass holds beyond the worker (after every update has finished)."""
 
 
 class UpdateQueue(UnitUpdateQueue):
-    def __init__(self, optimizer: torch.optim.Optimizer, units: list[ParamUnit], timeout_s: float) -> None:
+    """Units updated by ``optimizer.step_params`` on the CPU worker; with a ``DeviceUpdatePath``, the units it
+    holds are updated on the GPU by a second worker at the same time."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, units: list[ParamUnit], timeout_s: float,
+                 device_path: DeviceUpdatePath | None = None) -> None:
         super().__init__(optimizer, units, timeout_s)
         managed = {id(p) for group in optimizer.param_groups for p in group["params"]}
         self._params = {
             u.index: [(i, e.param) for i, e in enumerate(u.unique) if id(e.param) in managed] for u in units
         }
+        self.device_path = device_path
+        self._device_pool = None
+        if device_path is not None and device_path.units:
+            self._device_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-device-update")
 
     def schedule(self, clip_coef: float) -> None:
         self._submit(clip_coef)
 
+    def _pool_for(self, unit: ParamUnit) -> ThreadPoolExecutor:
+        return self._device_pool if unit.update_on_device and self._device_pool is not None else self._pool
+
     def _run(self, unit: ParamUnit, clip_coef: float, lr_of: dict[int, float]) -> None:
-        host_wait(unit.grads_ready, f"the gradient copy of {unit.label}", self.timeout_s)
-        unit.grad_refs = None
         chosen = [(i, p) for i, p in self._params[unit.index] if p.requires_grad]
-        grads = [unit.grad_lowp[unit.unique[i].offset : unit.unique[i].offset + p.numel()].view(p.shape)
-                 for i, p in chosen]
-        self.optimizer.step_params([p for _, p in chosen], clip_coef, grads, lr_of)
+        if unit.update_on_device and self.device_path is not None:
+            grads = unit.device_grads or [None] * len(unit.unique)
+            unit.device_grads = [grads[i] for i, _ in chosen]
+            self.device_path.run(unit, [p for _, p in chosen], clip_coef, lr_of)
+        else:
+            host_wait(unit.grads_ready, f"the gradient copy of {unit.label}", self.timeout_s)
+            unit.grad_refs = None
+            grads = [unit.grad_lowp[unit.unique[i].offset : unit.unique[i].offset + p.numel()].view(p.shape)
+                     for i, p in chosen]
+            self.optimizer.step_params([p for _, p in chosen], clip_coef, grads, lr_of)
         unit.generation += 1
         unit.dirty = False
+
+    def _close_paths(self) -> None:
+        if self._device_pool is not None:
+            self._device_pool.shutdown(wait=True)
+        if self.device_path is not None:
+            self.device_path.close()

@@ -191,7 +191,9 @@ class HybridAdamW(Optimizer):
                 continue
             self._update_one(p, g, clip_coef, lr_of)
 
-    def _update_one(self, p: torch.Tensor, g: torch.Tensor, clip_coef: float, lr_of: dict[int, float] | None) -> None:
+    def _prepare(self, p: torch.Tensor, g: torch.Tensor, clip_coef: float,
+                 lr_of: dict[int, float] | None) -> tuple[dict, dict]:
+        """Check the pair, count the step and return (state, the update's scalars) as the kernel takes them."""
         group = self._group_of.get(p)
         if group is None:
             raise KeyError("step_params: parameter is not managed by this optimizer")
@@ -208,15 +210,14 @@ class HybridAdamW(Optimizer):
         # Scalars exactly as torch.optim.AdamW computes them (Python doubles, rounded to fp32 by the kernel).
         bias_correction1 = 1 - beta1**step
         bias_correction2 = 1 - beta2**step
-        neg_step = -(lr / bias_correction1)
-        bc2_sqrt = bias_correction2**0.5
-        decay = 1 - lr * wd
         sr_key = int(mix32(st["sr_key"] ^ int(mix32(step & 0xFFFFFFFF))))
-        copy = self._stream_copies.get(p)
-        eight = "exp_avg_codes" in st
-        block = st["block_size"] if eight else _FP32_CHUNK
-        scalars = dict(copy=copy, block=block, decay=decay, beta1=beta1, beta2=beta2, neg_step=neg_step,
-                       bc2_sqrt=bc2_sqrt, eps=eps, grad_scale=clip_coef, sr_key=sr_key)
+        block = st["block_size"] if "exp_avg_codes" in st else _FP32_CHUNK
+        return st, dict(copy=self._stream_copies.get(p), block=block, decay=1 - lr * wd, beta1=beta1, beta2=beta2,
+                        neg_step=-(lr / bias_correction1), bc2_sqrt=bias_correction2**0.5, eps=eps,
+                        grad_scale=clip_coef, sr_key=sr_key)
+
+    def _update_one(self, p: torch.Tensor, g: torch.Tensor, clip_coef: float, lr_of: dict[int, float] | None) -> None:
+        st, scalars = self._prepare(p, g, clip_coef, lr_of)
         if self._use_kernel and p.device.type == "cpu" and p.is_contiguous():
             if g.device.type != "cpu":
                 raise ValueError("a CPU parameter needs a CPU gradient")
@@ -234,6 +235,41 @@ class HybridAdamW(Optimizer):
             )
         else:
             reference_step(param=p, grad=g.to(p.device), state=st, **scalars)
+
+    @torch.no_grad()
+    def step_params_on(
+        self,
+        device: torch.device,
+        params: Sequence[torch.Tensor],
+        clip_coef: float,
+        grads: Sequence[torch.Tensor | None],
+        lr_of: dict[int, float] | None = None,
+    ) -> None:
+        """The update of ``step_params`` computed on ``device`` from gradients already there: each parameter and
+        its states are copied in, updated by the torch reference path, and copied back with the stream copy.
+
+        The host tensors stay the only state (checkpoints see nothing different). Copies are queued on the
+        current stream with ``non_blocking``, so host memory should be pinned; the caller waits on an event
+        recorded after this returns before reading the results or reusing ``grads``.
+        """
+        if len(grads) != len(params):
+            raise ValueError(f"step_params_on: {len(params)} params but {len(grads)} grads")
+        for p, g in zip(params, grads, strict=True):
+            if g is None:
+                continue
+            st, scalars = self._prepare(p, g, float(clip_coef), lr_of)
+            host_copy = scalars.pop("copy")
+            moved = {k: v.to(device, non_blocking=True, copy=True) if isinstance(v, torch.Tensor) else v
+                     for k, v in st.items()}
+            param = p.detach().to(device, non_blocking=True, copy=True)
+            copy = None if host_copy is None else torch.empty(p.shape, dtype=torch.bfloat16, device=device)
+            reference_step(param=param, grad=g, state=moved, copy=copy, **scalars)
+            p.detach().copy_(param, non_blocking=True)
+            for k in _STATE_TENSORS:
+                if k in st:
+                    st[k].copy_(moved[k], non_blocking=True)
+            if host_copy is not None:
+                host_copy.copy_(copy, non_blocking=True)
 
     # ----------------------------------------------------------------- checkpoint
     def load_state_dict(self, state_dict: dict) -> None:

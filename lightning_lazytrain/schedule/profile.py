@@ -195,7 +195,7 @@ def _measure_head(adapter: ModelAdapter, tokens: int, device: torch.device, dtyp
     return timer(step, device) * tokens / chunk
 
 
-def _measure_link_cuda(device: torch.device, nbytes: int = LINK_PROBE_BYTES, reps: int = 3) -> tuple[float, ...]:
+def measure_link_cuda(device: torch.device, nbytes: int = LINK_PROBE_BYTES, reps: int = 3) -> tuple[float, ...]:
     """Pinned H2D, D2H and both at once on two streams; best of ``reps``; bytes/s (duplex = total of both)."""
     host_a = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     host_b = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -285,7 +285,7 @@ def _measure(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, 
         forward = [per_layer[j] for j in range(n)]
         torch.cuda.empty_cache()
         head = _measure_head(adapter, tokens, device, stream_dtype)
-        h2d, d2h, duplex = _measure_link_cuda(device)
+        h2d, d2h, duplex = measure_link_cuda(device)
         name = torch.cuda.get_device_name(device)
     else:
         forward = [(2.0 * numel[j] * tokens + _attention_flops(config, types[j], batch, seq)) / ANALYTIC_FLOPS

@@ -1,0 +1,150 @@
+"""Some units' optimizer updates on the GPU, beside the CPU's, so the update that follows a backward ends sooner.
+
+With gradient clipping no update may start before the whole backward has given the norm, and the next forward
+needs layer ``i`` updated before it runs: the CPU update is exposed wherever it is longer than the next forward.
+The GPU is nearly idle then and the link has room, so a share of the units is updated there: their gradients stay
+on the device after the backward (no D2H), their fp32 masters and states are copied in, updated by the same
+math (``HybridAdamW.step_params_on``, the torch reference path) and copied back with the bf16 stream copy. The host
+tensors remain the only state, so checkpoints and resume do not change.
+
+Which units: in the order the next forward needs them, each unit goes to the path (CPU worker or device worker)
+that would finish it first, from the CPU update rate (timed on a scratch tensor at setup) and the link rates (the
+device path moves ``master + states`` bytes in and ``master + states + stream copy`` bytes out per parameter; the
+GPU arithmetic itself is negligible beside that). The next forward's weight copies share the H2D link; that is
+not modelled, so the split leans slightly towards the device.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from lightning_lazytrain.engine.device import DeviceQueues, host_wait
+from lightning_lazytrain.engine.store import ParamUnit
+
+log = logging.getLogger(__name__)
+_STATE_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_codes", "exp_avg_sq_codes", "exp_avg_absmax", "exp_avg_sq_absmax")
+
+
+@dataclass
+class UnitTraffic:
+    numel: int
+    h2d_bytes: int
+    d2h_bytes: int
+    grad_bytes: int
+
+
+def unit_traffic(unit: ParamUnit, optimizer: torch.optim.Optimizer, stream_itemsize: int) -> UnitTraffic:
+    """Bytes the device path moves for ``unit`` and the device bytes its kept gradients hold."""
+    h2d = d2h = numel = 0
+    for e in unit.unique:
+        st = optimizer.state.get(e.param, {})
+        states = sum(st[k].numel() * st[k].element_size() for k in _STATE_KEYS if k in st)
+        master = e.numel * e.param.element_size()
+        copy = e.numel * 2 if e.param.dtype != torch.bfloat16 else 0
+        h2d += master + states
+        d2h += master + states + copy
+        numel += e.numel
+    return UnitTraffic(numel, h2d, d2h, numel * stream_itemsize)
+
+
+def split_units(traffic: list[UnitTraffic], cpu_params_per_s: float, h2d_bytes_per_s: float,
+                d2h_bytes_per_s: float) -> list[bool]:
+    """For units in the order the next forward needs them: True where the device worker would finish it first."""
+    t_cpu = t_dev = 0.0
+    out = []
+    for t in traffic:
+        cpu = t.numel / cpu_params_per_s
+        dev = max(t.h2d_bytes / h2d_bytes_per_s, t.d2h_bytes / d2h_bytes_per_s)
+        on_device = t_dev + dev < t_cpu + cpu
+        if on_device:
+            t_dev += dev
+        else:
+            t_cpu += cpu
+        out.append(on_device)
+    return out
+
+
+def split_by_share(traffic: list[UnitTraffic], share: float) -> list[bool]:
+    """A fixed share of the parameters on the device path, spread over the forward order as the timing split is."""
+    if share <= 0:
+        return [False] * len(traffic)
+    if share >= 1:
+        return [True] * len(traffic)
+    fake = [UnitTraffic(t.numel, t.numel, t.numel, t.grad_bytes) for t in traffic]
+    return split_units(fake, 1.0 - share, share, share)
+
+
+def measure_cpu_update_rate(optimizer: torch.optim.Optimizer, numel: int = 1 << 25) -> float:
+    """Parameters per second of ``optimizer``'s CPU update on a scratch tensor, in the engine's configuration
+    (bf16 gradient, clip coefficient, bf16 stream copy), with its 8-bit setting for large tensors."""
+    from lightning_lazytrain.optim import HybridAdamW
+
+    eight_bit = any(optimizer.is_8bit(p) for g in optimizer.param_groups for p in g["params"])
+    param = torch.zeros(numel)
+    scratch = HybridAdamW([param], lr=1e-6, eight_bit_fraction=1.0 if eight_bit else 0.0,
+                          num_threads=getattr(optimizer, "num_threads", None))
+    scratch.register_stream_copy(param, torch.empty(numel, dtype=torch.bfloat16))
+    grad = torch.full((numel,), 1e-3, dtype=torch.bfloat16)
+    scratch.step_params([param], 0.5, [grad])
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        scratch.step_params([param], 0.5, [grad])
+        best = min(best, time.perf_counter() - start)
+    return numel / best
+
+
+class DeviceUpdatePath:
+    """Runs the updates of the units marked ``update_on_device`` on a stream of their own, from a worker thread."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, units: list[ParamUnit], queues: DeviceQueues,
+                 timeout_s: float) -> None:
+        self.optimizer, self.queues, self.timeout_s = optimizer, queues, timeout_s
+        self.units = [u for u in units if u.update_on_device]
+        self.stream = torch.cuda.Stream(queues.device) if queues.is_cuda else None
+        self._registered: list[int] = []
+        if queues.is_cuda:
+            for unit in self.units:
+                self._pin(unit.master)
+                for e in unit.unique:
+                    st = optimizer.state.get(e.param, {})
+                    for k in _STATE_KEYS:
+                        if k in st:
+                            self._pin(st[k])
+
+    def _pin(self, t: torch.Tensor) -> None:
+        """Page-lock ``t`` in place (cudaHostRegister), so the copies in and out are asynchronous DMA."""
+        if t.is_pinned() or t.numel() == 0:
+            return
+        ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+        if int(err) != 0:
+            log.warning("lazytrain: could not pin %d bytes for device updates (CUDA error %s); those copies will be"
+                        " synchronous", nbytes, int(err))
+            return
+        self._registered.append(ptr)
+
+    def run(self, unit: ParamUnit, params: list[torch.Tensor], clip_coef: float, lr_of: dict[int, float]) -> None:
+        grads, unit.device_grads = unit.device_grads, None
+        q = self.queues
+        with q.on(self.stream):
+            q.wait(unit.grads_ready, self.stream)
+            # a parameter the backward left without a gradient is updated with zeros, as the CPU path does
+            kept = [g if g is not None else torch.zeros(p.shape, device=q.device) for p, g in zip(params, grads,
+                                                                                                   strict=True)]
+            self.optimizer.step_params_on(q.device, params, clip_coef, kept, lr_of)
+            done = q.record(self.stream)
+        if self.stream is not None:
+            for g in kept:
+                g.record_stream(self.stream)  # allocated on the compute stream, read on this one
+        host_wait(done, f"the device update of {unit.label}", self.timeout_s)
+
+    def close(self) -> None:
+        for ptr in self._registered:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+        self._registered.clear()
+
