@@ -64,9 +64,10 @@ class LazyTrainStrategy(ProcessGroupStrategy):
             bf16 host gradients, hidden behind the next forward. ``.grad`` is then not filled on the host.
         device_update_share: with overlapped updates on CUDA, the share of parameters whose update runs on the GPU
             at the same time as the CPU's (their gradients stay on the device; masters and states are copied in
-            and out). ``None``: chosen from the CPU update rate and the link bandwidth measured at setup;
-            ``0.0``: all on the CPU. Other values force that share, also on the CPU accelerator (where the
-            "device" path is the torch reference update on copies: a test of the control flow).
+            and out). ``0.0`` (default): all on the CPU, which measured faster on the H200 (docs/benchmarks.md);
+            ``None``: a share chosen from the CPU update rate and the link bandwidth measured at setup. Other
+            values force that share, also on the CPU accelerator (where the "device" path is the torch reference
+            update on copies: a test of the control flow).
         timeout_s: longest wait for any transfer before an error names it.
         gpu_activation_gib / cpu_activation_gib / nvme_activation_gib: activation budgets for the MILP (default:
             half the free GPU memory, a quarter of the available host RAM, 80% of the spill dir's free space).
@@ -89,7 +90,7 @@ class LazyTrainStrategy(ProcessGroupStrategy):
         prefetch_depth: int = 2,
         pin_memory: bool | None = None,
         overlap_updates: bool = True,
-        device_update_share: float | None = None,
+        device_update_share: float | None = 0.0,
         timeout_s: float = 600.0,
         gpu_activation_gib: float | None = None,
         cpu_activation_gib: float | None = None,

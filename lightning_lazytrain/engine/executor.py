@@ -339,8 +339,18 @@ def _norm_forward(executor: StreamingExecutor, module: nn.Module, hidden: torch.
     return _resident_forward(executor, module, executor.run_stack(hidden), *args, **kwargs)
 
 
+def _on_device(value: Any, device: torch.device) -> Any:
+    return value.to(device) if isinstance(value, torch.Tensor) and value.device != device else value
+
+
 def _causal_lm_forward(executor: StreamingExecutor):
     def forward(model: nn.Module, input_ids=None, attention_mask=None, position_ids=None, *args: Any, **kwargs: Any):
+        # The HF model's parameters live on the host, so ``model.device`` says CPU and ``generate`` builds some of
+        # its inputs (cache positions, the next step's ids) there; the layers run on the executor's device.
+        input_ids, attention_mask, position_ids = (_on_device(t, executor.device)
+                                                   for t in (input_ids, attention_mask, position_ids))
+        args = tuple(_on_device(a, executor.device) for a in args)
+        kwargs = {k: _on_device(v, executor.device) for k, v in kwargs.items()}
         labels = kwargs.pop("labels", None)
         if labels is None:
             return executor._original_forward(input_ids, attention_mask, position_ids, *args, **kwargs)
