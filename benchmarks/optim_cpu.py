@@ -47,6 +47,8 @@ def _cpu_model() -> str:
 
 
 def _commit() -> str:
+    if os.environ.get("LAZYTRAIN_COMMIT"):  # a copied working tree (the device machine) may carry a stale .git
+        return os.environ["LAZYTRAIN_COMMIT"]
     try:
         root = Path(__file__).resolve().parents[1]
         cmd = ["git", "-C", str(root), "rev-parse", "HEAD"]
