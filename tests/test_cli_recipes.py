@@ -1,4 +1,5 @@
 import csv
+import os
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,14 @@ def test_demo_on_gpu_trains_and_generates(tmp_path):
     (metrics_file,) = tmp_path.rglob("metrics.csv")
     val = [r for r in csv.DictReader(metrics_file.open()) if r.get("val/exact_match")]
     assert len(val) == 1 and 0.0 <= float(val[0]["val/exact_match"]) <= 1.0
+
+
+@pytest.mark.parametrize("preset", [None, "expandable_segments:False"])
+def test_cli_sets_the_allocator_option_unless_the_user_did(monkeypatch, preset, capsys):
+    if preset is None:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    else:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", preset)
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(DEMO_RECIPE), "--print_config"])
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == (preset or "expandable_segments:True")

@@ -128,3 +128,9 @@ def test_model_usable_after_fit():
 def test_demo_loss_falls(capsys):
     demo_main(["--steps", "40"])
     assert "lazytrain demo: loss" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.5])
+def test_device_update_share_out_of_range_names_the_range(share):
+    with pytest.raises(ValueError, match=r"device_update_share must be in \[0, 1\] or None"):
+        LazyTrainStrategy(device_update_share=share)
