@@ -29,7 +29,9 @@ def test_time_limit_honoured():
         assert "no plan" in str(e)
     else:
         assert s.status in ("time_limit", "optimal")
-    assert time.perf_counter() - t0 < 1.5 + 1.0
+    # the slack covers the model build and a loaded 2-core CI machine (2.52 s was seen there); the problem at
+    # this gap runs far longer than 5.5 s without the limit
+    assert time.perf_counter() - t0 < 1.5 + 4.0
 
 
 def test_gap_honoured_and_reported():
