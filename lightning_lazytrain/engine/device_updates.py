@@ -26,7 +26,6 @@ from lightning_lazytrain.engine.device import DeviceQueues, host_wait
 from lightning_lazytrain.engine.store import ParamUnit
 
 log = logging.getLogger(__name__)
-_STATE_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_codes", "exp_avg_sq_codes", "exp_avg_absmax", "exp_avg_sq_absmax")
 
 
 @dataclass
@@ -41,8 +40,7 @@ def unit_traffic(unit: ParamUnit, optimizer: torch.optim.Optimizer, stream_items
     """Bytes the device path moves for ``unit`` and the device bytes its kept gradients hold."""
     h2d = d2h = numel = 0
     for e in unit.unique:
-        st = optimizer.state.get(e.param, {})
-        states = sum(st[k].numel() * st[k].element_size() for k in _STATE_KEYS if k in st)
+        states = sum(t.numel() * t.element_size() for t in optimizer.state_tensors(e.param))
         master = e.numel * e.param.element_size()
         copy = e.numel * 2 if e.param.dtype != torch.bfloat16 else 0
         h2d += master + states
@@ -98,6 +96,37 @@ def measure_cpu_update_rate(optimizer: torch.optim.Optimizer, numel: int = 1 << 
     return numel / best
 
 
+def assign_device_updates(units: list[ParamUnit], optimizer: torch.optim.Optimizer, share: float | None,
+                          device: torch.device, stream_itemsize: int) -> int:
+    """Mark the units whose update runs on ``device`` (``share`` of the parameters, or ``None``: by the timing split
+    on CUDA, none elsewhere); returns the device bytes that holds beside the plan's activations."""
+    traffic = [unit_traffic(u, optimizer, stream_itemsize) for u in units]
+    if share is not None:
+        flags = split_by_share(traffic, share)
+    elif device.type == "cuda":
+        flags = _timed_split(optimizer, traffic, device)
+    else:
+        flags = [False] * len(units)
+    for unit, flag in zip(units, flags, strict=True):
+        unit.update_on_device = flag
+    on_device = [t for t, f in zip(traffic, flags, strict=True) if f]
+    # kept gradients until their update ran, plus one unit's master and states in flight (two, double-buffered)
+    return sum(t.grad_bytes for t in on_device) + 2 * max((t.h2d_bytes for t in on_device), default=0)
+
+
+def _timed_split(optimizer: torch.optim.Optimizer, traffic: list[UnitTraffic], device: torch.device) -> list[bool]:
+    from lightning_lazytrain.schedule.profile import measure_link_cuda
+
+    cpu_rate = measure_cpu_update_rate(optimizer)
+    h2d, d2h, duplex = measure_link_cuda(device)
+    h2d, d2h = min(h2d, duplex / 2), min(d2h, duplex / 2)  # both directions run at once
+    flags = split_units(traffic, cpu_rate, h2d, d2h)
+    share = sum(t.numel for t, f in zip(traffic, flags, strict=True) if f) / max(1, sum(t.numel for t in traffic))
+    log.info("lazytrain: CPU update %.2f G params/s, link %.1f / %.1f GB/s -> %.0f%% of the parameters updated on"
+             " the GPU", cpu_rate / 1e9, h2d / 1e9, d2h / 1e9, 100 * share)
+    return flags
+
+
 class DeviceUpdatePath:
     """Runs the updates of the units marked ``update_on_device`` on a stream of their own, from a worker thread."""
 
@@ -111,10 +140,8 @@ class DeviceUpdatePath:
             for unit in self.units:
                 self._pin(unit.master)
                 for e in unit.unique:
-                    st = optimizer.state.get(e.param, {})
-                    for k in _STATE_KEYS:
-                        if k in st:
-                            self._pin(st[k])
+                    for t in optimizer.state_tensors(e.param):
+                        self._pin(t)
 
     def _pin(self, t: torch.Tensor) -> None:
         """Page-lock ``t`` in place (cudaHostRegister), so the copies in and out are asynchronous DMA."""
@@ -128,8 +155,8 @@ class DeviceUpdatePath:
             return
         self._registered.append(ptr)
 
-    def run(self, unit: ParamUnit, params: list[torch.Tensor], clip_coef: float, lr_of: dict[int, float]) -> None:
-        grads, unit.device_grads = unit.device_grads, None
+    def run(self, unit: ParamUnit, params: list[torch.Tensor], grads: list[torch.Tensor | None], clip_coef: float,
+            lr_of: dict[int, float]) -> None:
         q = self.queues
         with q.on(self.stream):
             q.wait(unit.grads_ready, self.stream)

@@ -9,7 +9,6 @@ after each backward. With labels, the causal-LM forward routes the loss through 
 from __future__ import annotations
 
 import contextlib
-import logging
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,13 +20,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from lightning_lazytrain.engine.binding import bound, leaves_of
 from lightning_lazytrain.engine.device import DeviceQueues, device_free_bytes
-from lightning_lazytrain.engine.device_updates import (
-    DeviceUpdatePath,
-    measure_cpu_update_rate,
-    split_by_share,
-    split_units,
-    unit_traffic,
-)
+from lightning_lazytrain.engine.device_updates import DeviceUpdatePath, assign_device_updates
 from lightning_lazytrain.engine.direct_grads import DirectGradSink
 from lightning_lazytrain.engine.grads import GradSink
 from lightning_lazytrain.engine.homes import ActivationHomes
@@ -41,9 +34,6 @@ from lightning_lazytrain.engine.store import HostParamStore
 from lightning_lazytrain.engine.updates import UpdateQueue
 from lightning_lazytrain.models import ModelAdapter
 from lightning_lazytrain.optim import NonFiniteGuard, clip_coefficient
-from lightning_lazytrain.schedule.profile import measure_link_cuda
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -230,17 +220,8 @@ class StreamingExecutor:
         """
         units = self.store.units
         itemsize = torch.empty((), dtype=self.store.stream_dtype).element_size()
-        traffic = [unit_traffic(u, optimizer, itemsize) for u in units]
-        if device_update_share is None:
-            flags = self._timed_split(optimizer, traffic) if self.queues.is_cuda else [False] * len(units)
-        else:
-            flags = split_by_share(traffic, device_update_share)
-        for unit, flag in zip(units, flags, strict=True):
-            unit.update_on_device = flag
-        on_device = [t for t, f in zip(traffic, flags, strict=True) if f]
-        # kept gradients until their update ran, plus one unit's master and states in flight (two, double-buffered)
-        self.device_update_reserve_bytes = sum(t.grad_bytes for t in on_device) + 2 * max(
-            (t.h2d_bytes for t in on_device), default=0)
+        self.device_update_reserve_bytes = assign_device_updates(units, optimizer, device_update_share, self.device,
+                                                                 itemsize)
         self.sink.close()
         self.sink = DirectGradSink(self.store, self.queues, self.store.stream_dtype)
         managed = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -250,18 +231,9 @@ class StreamingExecutor:
                     if id(e.param) in managed:
                         copy = unit.stream[e.offset : e.offset + e.numel].view(e.shape)
                         optimizer.register_stream_copy(e.param, copy)
-        path = DeviceUpdatePath(optimizer, units, self.queues, self.timeout_s) if any(flags) else None
+        on_device = any(u.update_on_device for u in units)
+        path = DeviceUpdatePath(optimizer, units, self.queues, self.timeout_s) if on_device else None
         self.updates = UpdateQueue(optimizer, units, self.timeout_s, path)
-
-    def _timed_split(self, optimizer: torch.optim.Optimizer, traffic: list) -> list[bool]:
-        cpu_rate = measure_cpu_update_rate(optimizer)
-        h2d, d2h, duplex = measure_link_cuda(self.device)
-        h2d, d2h = min(h2d, duplex / 2), min(d2h, duplex / 2)  # both directions run at once
-        flags = split_units(traffic, cpu_rate, h2d, d2h)
-        share = sum(t.numel for t, f in zip(traffic, flags, strict=True) if f) / max(1, sum(t.numel for t in traffic))
-        log.info("lazytrain: CPU update %.2f G params/s, link %.1f / %.1f GB/s -> %.0f%% of the parameters updated on"
-                 " the GPU", cpu_rate / 1e9, h2d / 1e9, d2h / 1e9, 100 * share)
-        return flags
 
     def enable_sharded_updates(self, optimizer: torch.optim.Optimizer) -> None:
         """Several processes (a ``SharedParamStore``): gradients are reduce-scattered on the device, each rank

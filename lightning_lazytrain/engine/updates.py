@@ -90,9 +90,8 @@ class UpdateQueue(UnitUpdateQueue):
     def _run(self, unit: ParamUnit, clip_coef: float, lr_of: dict[int, float]) -> None:
         chosen = [(i, p) for i, p in self._params[unit.index] if p.requires_grad]
         if unit.update_on_device and self.device_path is not None:
-            grads = unit.device_grads or [None] * len(unit.unique)
-            unit.device_grads = [grads[i] for i, _ in chosen]
-            self.device_path.run(unit, [p for _, p in chosen], clip_coef, lr_of)
+            kept, unit.device_grads = unit.device_grads or [None] * len(unit.unique), None
+            self.device_path.run(unit, [p for _, p in chosen], [kept[i] for i, _ in chosen], clip_coef, lr_of)
         else:
             host_wait(unit.grads_ready, f"the gradient copy of {unit.label}", self.timeout_s)
             unit.grad_refs = None

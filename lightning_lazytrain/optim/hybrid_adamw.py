@@ -130,11 +130,14 @@ class HybridAdamW(Optimizer):
     def is_8bit(self, p: torch.Tensor) -> bool:
         return "exp_avg_codes" in self.state[p]
 
+    def state_tensors(self, p: torch.Tensor) -> list[torch.Tensor]:
+        """The moment tensors of ``p`` (fp32 moments, or 8-bit codes and their block absmax)."""
+        st = self.state.get(p, {})
+        return [st[k] for k in _STATE_TENSORS if k in st]
+
     def state_bytes(self) -> int:
         """Bytes held by the moment tensors (what 8-bit states shrink), excluding parameters and grads."""
-        return sum(
-            st[k].numel() * st[k].element_size() for st in self.state.values() for k in _STATE_TENSORS if k in st
-        )
+        return sum(t.numel() * t.element_size() for p in self.state for t in self.state_tensors(p))
 
     def register_stream_copy(self, param: torch.Tensor, copy: torch.Tensor | None) -> None:
         """Have every update of ``param`` also write ``copy`` (bf16, same shape; the tensor the engine streams).
