@@ -4,10 +4,10 @@
 #   bash benchmarks/recipe_gpu.sh OUTDIR
 set -euo pipefail
 out=${1:?output dir}
-python3 -m lightning_lazytrain.cli fit --config recipes/qwen2.5-3b.yaml \
+python3 -m lightning_lazytrain.sft.cli fit --config recipes/qwen2.5-3b.yaml \
   --model.pretrained null --model.model_config qwen2.5-3b --model.dtype bfloat16 \
   --data.data_path demo --data.packing true --data.batch_size 8 --data.max_eval_samples 16 \
   --model.max_generate_samples 8 --model.max_new_tokens 16 \
   --trainer.max_steps 6 --trainer.val_check_interval 6 --trainer.enable_progress_bar false \
   --trainer.logger.init_args.save_dir "$out/runs" \
-  --trainer.callbacks '[{"class_path": "lightning_lazytrain.metrics.ThroughputMetrics"}]'
+  --trainer.callbacks '[{"class_path": "lightning_lazytrain.sft.metrics.ThroughputMetrics"}]'

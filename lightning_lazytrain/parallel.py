@@ -3,7 +3,7 @@
 It follows Lightning's ``DDPStrategy``: the subprocess launcher re-runs the script once per extra local device
 (or torchrun / SLURM / a user started them: Lightning's cluster environments tell), ranks come from the cluster
 environment, ``setup_environment`` opens the process group (NCCL between GPUs, gloo on the CPU) and the engine's
-host-side gloo groups (``engine/topology.py``). With one process nothing of this runs: no launcher, no process
+host-side gloo groups (``engine/weights/topology.py``). With one process nothing of this runs: no launcher, no process
 group, and ``reduce`` / ``barrier`` / ``broadcast`` return at once, exactly as a single-device strategy.
 """
 
@@ -25,7 +25,7 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
-from lightning_lazytrain.engine.topology import Topology, build_topology
+from lightning_lazytrain.engine.weights.topology import Topology, build_topology
 
 
 class ProcessGroupStrategy(ParallelStrategy):

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from lightning_lazytrain.checkpoint import CorruptCheckpointError, find_last_good
+from lightning_lazytrain.checkpoint.atomic import CorruptCheckpointError, find_last_good
 from lightning_lazytrain.schedule import Schedule
 
 if TYPE_CHECKING:

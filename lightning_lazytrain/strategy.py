@@ -23,11 +23,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from transformers import PreTrainedModel
 
-from lightning_lazytrain import sharded_checkpoint
-from lightning_lazytrain.checkpoint import AtomicCheckpointIO, CorruptCheckpointError
+from lightning_lazytrain.checkpoint import sharded as sharded_checkpoint
+from lightning_lazytrain.checkpoint.atomic import AtomicCheckpointIO, CorruptCheckpointError
 from lightning_lazytrain.engine import StreamingExecutor
 from lightning_lazytrain.engine.device import device_free_bytes
-from lightning_lazytrain.engine.shared_store import SharedParamStore
+from lightning_lazytrain.engine.weights.shared_store import SharedParamStore
 from lightning_lazytrain.faults import GpuMemoryError, gpu_out_of_memory
 from lightning_lazytrain.memory import admission
 from lightning_lazytrain.models import adapter_for

@@ -18,8 +18,8 @@ from helpers import LMModule, tiny_model
 from torch.utils.data import Dataset
 
 import lightning_lazytrain  # noqa: F401  (registers the strategy name)
-from lightning_lazytrain.data.sampler import ResumableDataLoader, ResumableRandomSampler
 from lightning_lazytrain.optim import HybridAdamW
+from lightning_lazytrain.sft.data.sampler import ResumableDataLoader, ResumableRandomSampler
 
 NUM_SAMPLES, BATCH, SEQ, MAX_STEPS = 10, 2, 16, 8  # 5 batches per epoch: steps 1-5, then 6-8 of epoch 1
 

@@ -16,7 +16,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 import lightning_lazytrain
 from lightning_lazytrain import AtomicCheckpointIO, CorruptCheckpointError, LazyTrainStrategy, find_last_good
-from lightning_lazytrain.checkpoint import _HashingWriter, manifest_path, remove_stale_temps, verify_checkpoint
+from lightning_lazytrain.checkpoint.atomic import _HashingWriter, manifest_path, remove_stale_temps, verify_checkpoint
 
 
 def payload(tag: int, numel: int = 1000) -> dict:

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_lazytrain.cli import DEMO_RECIPE, _with_default_config, main
+from lightning_lazytrain.sft.cli import DEMO_RECIPE, _with_default_config, main
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
 GPU_RECIPES = ["qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b", "qwen3-8b", "qwen3.6-27b"]

@@ -1,6 +1,6 @@
 import pytest
 
-from lightning_lazytrain.data.answers import answers_match, extract_answer, normalize_answer, reference_answer
+from lightning_lazytrain.sft.data.answers import answers_match, extract_answer, normalize_answer, reference_answer
 
 
 def test_extracts_last_answer_line():

@@ -1,6 +1,6 @@
 import pytest
 
-from lightning_lazytrain.data.tokenizer import end_of_turn_id, load_tokenizer
+from lightning_lazytrain.sft.data.tokenizer import end_of_turn_id, load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -24,8 +24,8 @@ from dist_driver import HybridModule
 from helpers import batches, loader, rel_diff, tiny_model, train, update_rel_diff
 from transformers import AutoModelForCausalLM
 
+from lightning_lazytrain.checkpoint.sharded import consolidate, export_sharded_hf
 from lightning_lazytrain.schedule import admission_report
-from lightning_lazytrain.sharded_checkpoint import consolidate, export_sharded_hf
 
 TESTS = Path(__file__).resolve().parent
 CLIP = 0.05

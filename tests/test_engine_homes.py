@@ -9,10 +9,10 @@ import threading
 import pytest
 import torch
 
-from lightning_lazytrain.engine import spill as spill_mod
+from lightning_lazytrain.engine.activations import spill as spill_mod
+from lightning_lazytrain.engine.activations.homes import ActivationHomes, MissingBoundaryError, SpillError
 from lightning_lazytrain.engine.device import DeviceQueues
-from lightning_lazytrain.engine.homes import ActivationHomes, MissingBoundaryError, SpillError
-from lightning_lazytrain.engine.pinned import PinnedAllocator
+from lightning_lazytrain.engine.weights.pinned import PinnedAllocator
 
 
 def make(homes, spill_dir=None, **kw):

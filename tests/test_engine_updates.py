@@ -114,7 +114,7 @@ def test_eight_bit_loss_curve_close_to_fp32_adamw():
 
     Tolerance: after 30 steps the 8-bit run's mean loss over the last 5 steps is within 10% of AdamW's (both fall
     by more than half), the quantization error of the moments being ~1% per block."""
-    from lightning_lazytrain.demo import CountingTask, DemoModule
+    from lightning_lazytrain.sft.demo import CountingTask, DemoModule
 
     def run(optimizer_cls, **okw):
         torch.manual_seed(0)
@@ -162,7 +162,7 @@ def test_device_update_path_matches_plain_hybrid_adamw(fraction, precision):
 
 
 def test_split_units_balances_finish_times_in_forward_order():
-    from lightning_lazytrain.engine.device_updates import UnitTraffic, split_by_share, split_units
+    from lightning_lazytrain.engine.updates.device import UnitTraffic, split_by_share, split_units
 
     units = [UnitTraffic(numel=100, h2d_bytes=600, d2h_bytes=800, grad_bytes=200) for _ in range(8)]
     # CPU 100 params/s (1 s a unit), device link 800 B/s (1 s a unit): alternate, the first to the CPU (ties)

@@ -2,9 +2,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lightning_lazytrain.data.tokenizer import load_tokenizer
-from lightning_lazytrain.export import HFExportCallback, export_hf
-from lightning_lazytrain.module import build_model
+from lightning_lazytrain.sft.data.tokenizer import load_tokenizer
+from lightning_lazytrain.sft.export import HFExportCallback, export_hf
+from lightning_lazytrain.sft.module import build_model
 
 TINY = dict(model_type="qwen2", vocab_size=151669, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False)
@@ -52,8 +52,8 @@ def test_failed_export_leaves_previous_one_intact(tmp_path, monkeypatch):
 def test_callback_exports_at_fit_end(tmp_path, tok):
     import lightning.pytorch as pl
 
-    from lightning_lazytrain.data.sft import SFTDataModule
-    from lightning_lazytrain.module import CausalLMModule
+    from lightning_lazytrain.sft.data.sft import SFTDataModule
+    from lightning_lazytrain.sft.module import CausalLMModule
 
     module = CausalLMModule(model_config=TINY, max_generate_samples=0)
     dm = SFTDataModule("demo", max_seq_length=64, batch_size=2, max_eval_samples=2)

@@ -14,9 +14,9 @@ from helpers import batches, tiny_model, train
 
 import lightning_lazytrain  # noqa: F401
 from lightning_lazytrain import LazyTrainStrategy
-from lightning_lazytrain.engine import pinned as pinned_mod
-from lightning_lazytrain.engine.pinned import PinnedAllocator
-from lightning_lazytrain.engine.store import HostParamStore
+from lightning_lazytrain.engine.weights import pinned as pinned_mod
+from lightning_lazytrain.engine.weights.pinned import PinnedAllocator
+from lightning_lazytrain.engine.weights.store import HostParamStore
 from lightning_lazytrain.faults import PinnedMemoryError, ResourceError, SpillError, human_bytes
 from lightning_lazytrain.schedule import Schedule
 from lightning_lazytrain.schedule import profile as profile_mod

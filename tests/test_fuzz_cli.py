@@ -12,8 +12,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_lazytrain import module as module_mod
-from lightning_lazytrain.cli import DEMO_RECIPE, main
+from lightning_lazytrain.sft import module as module_mod
+from lightning_lazytrain.sft.cli import DEMO_RECIPE, main
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -167,7 +167,7 @@ def test_a_malformed_data_file_found_at_setup_exits_2_naming_file_and_line(tmp_p
 
 def test_console_script_exits_2_without_a_traceback(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "lightning_lazytrain.cli", "fit", "--config", str(DEMO_RECIPE),
+    proc = subprocess.run([sys.executable, "-m", "lightning_lazytrain.sft.cli", "fit", "--config", str(DEMO_RECIPE),
                            "--data.data_path", str(tmp_path / "missing.jsonl")],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert proc.returncode == 2, proc.stderr

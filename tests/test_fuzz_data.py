@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_lazytrain.data import (
+from lightning_lazytrain.sft.data import (
     DataError,
     DataFormatError,
     DataPathError,
@@ -18,8 +18,8 @@ from lightning_lazytrain.data import (
     SFTDataModule,
     read_records,
 )
-from lightning_lazytrain.data.sft import IGNORE_INDEX, render
-from lightning_lazytrain.data.tokenizer import load_tokenizer
+from lightning_lazytrain.sft.data.sft import IGNORE_INDEX, render
+from lightning_lazytrain.sft.data.tokenizer import load_tokenizer
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 GOOD_ROW = b'{"query": "What is 1 + 1?", "response": "2"}'

@@ -4,10 +4,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_lazytrain.data.formats import Record
-from lightning_lazytrain.data.sft import SFTCollator, SFTDataModule, tokenize_records
-from lightning_lazytrain.data.tokenizer import load_tokenizer
-from lightning_lazytrain.module import CausalLMModule, build_model, warmup_cosine
+from lightning_lazytrain.sft.data.formats import Record
+from lightning_lazytrain.sft.data.sft import SFTCollator, SFTDataModule, tokenize_records
+from lightning_lazytrain.sft.data.tokenizer import load_tokenizer
+from lightning_lazytrain.sft.module import CausalLMModule, build_model, warmup_cosine
 
 TINY = dict(model_type="qwen2", vocab_size=151669, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=True)

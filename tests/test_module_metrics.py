@@ -4,8 +4,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_lazytrain.metrics import ThroughputMetrics, host_rss_bytes, model_flops_per_token
-from lightning_lazytrain.module import build_model
+from lightning_lazytrain.sft.metrics import ThroughputMetrics, host_rss_bytes, model_flops_per_token
+from lightning_lazytrain.sft.module import build_model
 
 TINY = dict(model_type="qwen2", vocab_size=128, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)

@@ -11,9 +11,9 @@ import torch
 from resume_setup import MAX_STEPS, assert_same_tree, fit, start_model
 
 from lightning_lazytrain import AtomicCheckpointIO, LazyTrainStrategy
-from lightning_lazytrain.data.sampler import ResumableDataLoader, ResumableRandomSampler
 from lightning_lazytrain.resume import STATE_KEY
 from lightning_lazytrain.schedule import interval_schedule
+from lightning_lazytrain.sft.data.sampler import ResumableDataLoader, ResumableRandomSampler
 
 
 def assert_same_run(resumed, resumed_trainer, ref, ref_trainer, k):

@@ -9,8 +9,8 @@ import torch
 from resume_setup import Crash, CrashAt, assert_same_tree
 
 import lightning_lazytrain  # noqa: F401  (registers the strategy name)
-from lightning_lazytrain.data.sft import SFTDataModule
-from lightning_lazytrain.module import CausalLMModule
+from lightning_lazytrain.sft.data.sft import SFTDataModule
+from lightning_lazytrain.sft.module import CausalLMModule
 
 TINY = dict(model_type="qwen2", vocab_size=151669, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=True)

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, GPT2Config
 
 import lightning_lazytrain
 from lightning_lazytrain import LazyTrainStrategy, ModelNotFoundError, UnsupportedModelError
-from lightning_lazytrain.demo import main as demo_main
+from lightning_lazytrain.sft.demo import main as demo_main
 
 
 def fit(module, strategy="lazytrain", **kw):

@@ -18,20 +18,20 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from lightning_lazytrain.engine.binding import bound, leaves_of
+from lightning_lazytrain.engine.activations.homes import ActivationHomes
 from lightning_lazytrain.engine.device import DeviceQueues, device_free_bytes
-from lightning_lazytrain.engine.device_updates import DeviceUpdatePath, assign_device_updates
-from lightning_lazytrain.engine.direct_grads import DirectGradSink
-from lightning_lazytrain.engine.grads import GradSink
-from lightning_lazytrain.engine.homes import ActivationHomes
+from lightning_lazytrain.engine.grads.direct import DirectGradSink
+from lightning_lazytrain.engine.grads.host import GradSink
+from lightning_lazytrain.engine.grads.sharded import ShardedGradSink
 from lightning_lazytrain.engine.loss import chunked_causal_lm_loss, chunked_token_accuracy
 from lightning_lazytrain.engine.plan import StackPlan
-from lightning_lazytrain.engine.sharded_grads import ShardedGradSink
-from lightning_lazytrain.engine.sharded_updates import ShardedUpdateQueue
-from lightning_lazytrain.engine.slots import SlotPool
 from lightning_lazytrain.engine.stack import LayerCall, StackRun, StreamedStack, make_prefetcher
-from lightning_lazytrain.engine.store import HostParamStore
-from lightning_lazytrain.engine.updates import UpdateQueue
+from lightning_lazytrain.engine.updates.cpu import UpdateQueue
+from lightning_lazytrain.engine.updates.device import DeviceUpdatePath, assign_device_updates
+from lightning_lazytrain.engine.updates.sharded import ShardedUpdateQueue
+from lightning_lazytrain.engine.weights.binding import bound, leaves_of
+from lightning_lazytrain.engine.weights.slots import SlotPool
+from lightning_lazytrain.engine.weights.store import HostParamStore
 from lightning_lazytrain.models import ModelAdapter
 from lightning_lazytrain.optim import NonFiniteGuard, clip_coefficient
 
@@ -215,7 +215,7 @@ class StreamingExecutor:
         """Let the engine run ``optimizer.step_params`` per unit from bf16 host gradients, off the main thread.
 
         ``device_update_share``: the share of parameters whose update runs on the GPU beside the CPU's
-        (``engine/device_updates.py``); ``None`` picks it from the measured CPU update and link rates on CUDA and
+        (``engine/updates/device.py``); ``None`` picks it from the measured CPU update and link rates on CUDA and
         is 0 on the CPU.
         """
         units = self.store.units

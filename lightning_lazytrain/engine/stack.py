@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_lazytrain.engine.binding import bound, leaves_of
+from lightning_lazytrain.engine.weights.binding import bound, leaves_of
 
 if TYPE_CHECKING:
     from lightning_lazytrain.engine.executor import StreamingExecutor
-    from lightning_lazytrain.engine.slots import Slot
+    from lightning_lazytrain.engine.weights.slots import Slot
 
 
 @dataclass

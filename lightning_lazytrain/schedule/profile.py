@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_lazytrain.engine.link import measure_link_cuda
 from lightning_lazytrain.faults import spill_write_failed
 from lightning_lazytrain.models.adapter import ModelAdapter
 
@@ -31,7 +32,7 @@ ANALYTIC_FLOPS = 1e11  # FLOP/s assumed for analytic compute estimates (no CUDA 
 # REFERENCE.md, H200 benchmark machine: pinned PCIe per direction / both at once (total), disk write / read.
 H200_H2D, H200_D2H, H200_DUPLEX = 55.5e9, 55.3e9, 101e9
 DISK_WRITE, DISK_READ = 0.51e9, 1.28e9
-LINK_PROBE_BYTES, NVME_PROBE_BYTES_GPU, NVME_PROBE_BYTES_CPU = 256 << 20, 256 << 20, 16 << 20
+NVME_PROBE_BYTES_GPU, NVME_PROBE_BYTES_CPU = 256 << 20, 16 << 20
 SOURCE_KEYS = ("forward_seconds", "head_seconds", "h2d", "d2h", "duplex", "nvme_read", "nvme_write")
 
 
@@ -193,40 +194,6 @@ def _measure_head(adapter: ModelAdapter, tokens: int, device: torch.device, dtyp
         loss.backward()
 
     return timer(step, device) * tokens / chunk
-
-
-def measure_link_cuda(device: torch.device, nbytes: int = LINK_PROBE_BYTES, reps: int = 3) -> tuple[float, ...]:
-    """Pinned H2D, D2H and both at once on two streams; best of ``reps``; bytes/s (duplex = total of both)."""
-    host_a = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    host_b = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev_a = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dev_b = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    s1, s2 = torch.cuda.Stream(device), torch.cuda.Stream(device)
-
-    def timed(copies) -> float:
-        best = float("inf")
-        for r in range(reps + 1):
-            start = torch.cuda.Event(enable_timing=True)
-            start.record(s1)
-            s2.wait_event(start)
-            ends = []
-            for stream, dst, src in copies:
-                with torch.cuda.stream(stream):
-                    dst.copy_(src, non_blocking=True)
-                ends.append(torch.cuda.Event(enable_timing=True))
-                ends[-1].record(stream)
-            for e in ends:
-                e.synchronize()
-            if r:  # the first round is a warm-up
-                best = min(best, max(start.elapsed_time(e) for e in ends) / 1e3)
-        return best
-
-    h2d = nbytes / timed([(s1, dev_a, host_a)])
-    d2h = nbytes / timed([(s1, host_a, dev_a)])
-    duplex = 2 * nbytes / timed([(s1, dev_a, host_a), (s2, host_b, dev_b)])
-    del dev_a, dev_b
-    torch.cuda.empty_cache()
-    return h2d, d2h, duplex
 
 
 def measure_disk(spill_dir: str, nbytes: int) -> tuple[float, float]:

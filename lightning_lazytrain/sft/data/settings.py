@@ -9,9 +9,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from lightning_lazytrain.data.demo_math import DEMO_MATH_PATH
-from lightning_lazytrain.data.errors import DataSettingError
-from lightning_lazytrain.data.formats import FieldMap, data_files
+from lightning_lazytrain.sft.data.demo_math import DEMO_MATH_PATH
+from lightning_lazytrain.sft.data.errors import DataSettingError
+from lightning_lazytrain.sft.data.formats import FieldMap, data_files
 
 #: ``data_path`` value that selects the shipped demo arithmetic set
 DEMO_DATA = "demo"

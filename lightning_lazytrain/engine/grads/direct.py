@@ -4,7 +4,7 @@ When the engine runs the update itself (``HybridAdamW.step_params``), there is n
 layer's gradients are copied on the D2H stream, in the compute dtype, into that unit's own buffer (2 bytes per
 parameter under bf16, pinned once at setup), and the update job waits on the copy's event. Nothing runs on the
 CPU during the backward. The squared gradient norm is summed on the device as the layers go, for clipping and the
-non-finite check. Units updated on the device (``engine/device_updates.py``) keep their gradients there instead.
+non-finite check. Units updated on the device (``engine/updates/device.py``) keep their gradients there instead.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from lightning_lazytrain.engine.device import DeviceQueues
-from lightning_lazytrain.engine.store import HostParamStore, ParamUnit
+from lightning_lazytrain.engine.weights.store import HostParamStore, ParamUnit
 from lightning_lazytrain.optim import grad_norm_sq
 
 

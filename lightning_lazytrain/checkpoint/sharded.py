@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from lightning_lazytrain.engine.shared_store import SharedParamStore
-from lightning_lazytrain.export import export_hf
+from lightning_lazytrain.checkpoint.hf_export import export_hf
+from lightning_lazytrain.engine.weights.shared_store import SharedParamStore
 
 FORMAT = "lazytrain-sharded-1"
 META = "meta.pt"

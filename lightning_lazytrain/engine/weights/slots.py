@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_lazytrain.engine.device import DeviceQueues
-from lightning_lazytrain.engine.store import ParamUnit
+from lightning_lazytrain.engine.weights.store import ParamUnit
 
 
 class SlotPoolExhaustedError(RuntimeError):

@@ -6,7 +6,7 @@ purpose (one operation, a one-digit number and a second operand of 1-4: about 80
 learns them in a couple of CPU minutes, which makes "exact match rises well above the untrained model's" something
 the demo can show.
 
-Regenerate the shipped file with ``python -m lightning_lazytrain.data.demo_math``.
+Regenerate the shipped file with ``python -m lightning_lazytrain.sft.data.demo_math``.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_lazytrain.data.errors import DataError, DataFormatError, DataPathError, EmptyDataError
+from lightning_lazytrain.sft.data.errors import DataError, DataFormatError, DataPathError, EmptyDataError
 
 # files we read inside a local hub-dataset directory (e.g. a `huggingface-cli download` of meta-math/MetaMathQA)
 _DATA_SUFFIXES = (".jsonl", ".json")

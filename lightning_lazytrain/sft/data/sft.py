@@ -14,12 +14,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from transformers import PreTrainedTokenizerBase
 
-from lightning_lazytrain.data.answers import reference_answer
-from lightning_lazytrain.data.errors import EmptyDataError
-from lightning_lazytrain.data.formats import FieldMap, Record, read_records
-from lightning_lazytrain.data.sampler import ResumableDataLoader, ResumableRandomSampler
-from lightning_lazytrain.data.settings import DEMO_DATA, check_settings, resolve_data_path
-from lightning_lazytrain.data.tokenizer import load_tokenizer
+from lightning_lazytrain.sft.data.answers import reference_answer
+from lightning_lazytrain.sft.data.errors import EmptyDataError
+from lightning_lazytrain.sft.data.formats import FieldMap, Record, read_records
+from lightning_lazytrain.sft.data.sampler import ResumableDataLoader, ResumableRandomSampler
+from lightning_lazytrain.sft.data.settings import DEMO_DATA, check_settings, resolve_data_path
+from lightning_lazytrain.sft.data.tokenizer import load_tokenizer
 
 #: label value that cross-entropy ignores (the prompt, padding)
 IGNORE_INDEX = -100

@@ -1,6 +1,6 @@
 """The embedded default job: a short CPU fine-tune of a tiny Qwen-shaped model through ``strategy="lazytrain"``.
 
-    python -m lightning_lazytrain.demo [--steps 40]
+    python -m lightning_lazytrain.sft.demo [--steps 40]
 
 The data is a learnable toy task (each sequence counts upwards modulo the vocabulary from a random start), so the
 loss must fall well below its starting value; the script exits non-zero if it does not.

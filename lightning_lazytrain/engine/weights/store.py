@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lightning_lazytrain.engine.pinned import PinnedAllocator
+from lightning_lazytrain.engine.weights.pinned import PinnedAllocator
 
 
 @dataclass

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from lightning_lazytrain.engine.device import host_wait
-from lightning_lazytrain.engine.shared_store import SharedParamStore
-from lightning_lazytrain.engine.store import ParamEntry, ParamUnit
-from lightning_lazytrain.engine.updates import UnitUpdateQueue
+from lightning_lazytrain.engine.updates.cpu import UnitUpdateQueue
+from lightning_lazytrain.engine.weights.shared_store import SharedParamStore
+from lightning_lazytrain.engine.weights.store import ParamEntry, ParamUnit
 from lightning_lazytrain.optim import HybridAdamW
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_lazytrain.engine.device import DeviceQueues, host_wait
-from lightning_lazytrain.engine.store import ParamUnit
+from lightning_lazytrain.engine.weights.store import ParamUnit
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def assign_device_updates(units: list[ParamUnit], optimizer: torch.optim.Optimiz
 
 
 def _timed_split(optimizer: torch.optim.Optimizer, traffic: list[UnitTraffic], device: torch.device) -> list[bool]:
-    from lightning_lazytrain.schedule.profile import measure_link_cuda
+    from lightning_lazytrain.engine.link import measure_link_cuda
 
     cpu_rate = measure_cpu_update_rate(optimizer)
     h2d, d2h, duplex = measure_link_cuda(device)

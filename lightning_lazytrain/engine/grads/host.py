@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_lazytrain.engine.device import DeviceQueues, host_wait
-from lightning_lazytrain.engine.store import HostParamStore, ParamUnit
+from lightning_lazytrain.engine.weights.store import HostParamStore, ParamUnit
 
 
 @dataclass

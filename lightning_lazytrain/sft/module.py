@@ -16,9 +16,9 @@ import lightning.pytorch as pl
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
-from lightning_lazytrain.data.answers import answers_match
-from lightning_lazytrain.data.sft import IGNORE_INDEX
-from lightning_lazytrain.data.tokenizer import end_of_turn_id, load_tokenizer
+from lightning_lazytrain.sft.data.answers import answers_match
+from lightning_lazytrain.sft.data.sft import IGNORE_INDEX
+from lightning_lazytrain.sft.data.tokenizer import end_of_turn_id, load_tokenizer
 
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 

@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_lazytrain.engine.pinned import PinnedAllocator
-from lightning_lazytrain.engine.store import HostParamStore, ParamEntry, ParamUnit, collect_entries
-from lightning_lazytrain.engine.topology import Topology
+from lightning_lazytrain.engine.weights.pinned import PinnedAllocator
+from lightning_lazytrain.engine.weights.store import HostParamStore, ParamEntry, ParamUnit, collect_entries
+from lightning_lazytrain.engine.weights.topology import Topology
 
 log = logging.getLogger(__name__)
 _ALIGN = 256  # elements: every unit starts on a fresh cache line / DMA-friendly boundary in the shared file

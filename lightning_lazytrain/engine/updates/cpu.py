@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from lightning_lazytrain.engine.device import host_wait
-from lightning_lazytrain.engine.device_updates import DeviceUpdatePath
-from lightning_lazytrain.engine.store import ParamUnit
+from lightning_lazytrain.engine.updates.device import DeviceUpdatePath
+from lightning_lazytrain.engine.weights.store import ParamUnit
 
 
 class UnitUpdateQueue:

@@ -24,14 +24,14 @@ from omegaconf.errors import OmegaConfBaseException
 # Importing the package is what registers the "lazytrain" strategy names in Lightning's StrategyRegistry; it must
 # happen before LightningCLI resolves `trainer.strategy`.
 import lightning_lazytrain  # noqa: F401
-from lightning_lazytrain.data.errors import DataError, DataSettingError
-from lightning_lazytrain.data.settings import check_settings
-from lightning_lazytrain.data.sft import SFTDataModule
-from lightning_lazytrain.export import export_hf
-from lightning_lazytrain.module import CausalLMModule
+from lightning_lazytrain.checkpoint.hf_export import export_hf
+from lightning_lazytrain.sft.data.errors import DataError, DataSettingError
+from lightning_lazytrain.sft.data.settings import check_settings
+from lightning_lazytrain.sft.data.sft import SFTDataModule
+from lightning_lazytrain.sft.module import CausalLMModule
 
 #: the recipe used when no --config is given (present in a source checkout; recipes/ sits at the repo root)
-DEMO_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "demo.yaml"
+DEMO_RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "demo.yaml"
 _SUBCOMMANDS = ("fit", "validate", "test", "predict")
 # config sections holding a class's arguments; the parser silently skips one that is a number, bool or list
 _GROUPS = ("model", "data", "trainer")

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_lazytrain.engine.device import DeviceQueues
-from lightning_lazytrain.engine.shared_store import SharedParamStore
-from lightning_lazytrain.engine.store import ParamUnit
+from lightning_lazytrain.engine.weights.shared_store import SharedParamStore
+from lightning_lazytrain.engine.weights.store import ParamUnit
 from lightning_lazytrain.optim import grad_norm_sq
 
 

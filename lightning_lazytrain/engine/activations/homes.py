@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_lazytrain.engine.activations.spill import SpillDir, SpillError
 from lightning_lazytrain.engine.device import DeviceQueues, host_wait
-from lightning_lazytrain.engine.pinned import PinnedAllocator
-from lightning_lazytrain.engine.spill import SpillDir, SpillError
+from lightning_lazytrain.engine.weights.pinned import PinnedAllocator
 
 __all__ = ["ActivationHomes", "MissingBoundaryError", "SpillError"]
 
