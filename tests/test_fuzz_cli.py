@@ -36,14 +36,14 @@ def no_model(monkeypatch):
 
 
 def run_cli(args: list[str]) -> tuple[object, str]:
-    """(exit code, stderr) of ``lazytrain ARGS`` run in this process; code None when it returned normally."""
+    """(exit status, stderr) of ``lazytrain ARGS`` run in this process: main's return value, or the SystemExit's."""
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         try:
-            main(args)
+            code = main(args)
         except SystemExit as exc:
-            return exc.code, err.getvalue()
-    return None, err.getvalue()
+            code = exc.code
+    return code, err.getvalue()
 
 
 def _overlay(tmp_path: Path, cfg: object, name: str = "overlay.yaml") -> str:

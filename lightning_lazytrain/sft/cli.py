@@ -4,21 +4,28 @@
 shows the merged config. With a subcommand but no ``--config`` the demo recipe is used, so ``lazytrain fit`` alone
 runs the CPU demo from a source checkout.
 
-Bad input ends the process with exit code 2 and a message, not a traceback: unknown keys and wrong types are
-refused by the config parser, the data settings and path are checked before the model is built, and a bad data
-file found at setup (a ``DataError``) is reported the same way.
+Exit status: 0 when the subcommand finished, 2 for a usage or config error, 1 when training (or evaluation) failed.
+Bad input ends the process with a message, not a traceback: unknown keys and wrong types are refused by the config
+parser, the data settings and path are checked before the model is built, an error while building the model,
+datamodule or trainer from the config is reported as a config error, and a bad data file found at setup (a
+``DataError``) too. A failure during the run prints its traceback, then a one-line summary.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import traceback
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.trainer import Trainer
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 from omegaconf.errors import OmegaConfBaseException
 
 # Importing the package is what registers the "lazytrain" strategy names in Lightning's StrategyRegistry; it must
@@ -29,12 +36,17 @@ from lightning_lazytrain.sft.data.errors import DataError, DataSettingError
 from lightning_lazytrain.sft.data.settings import check_settings
 from lightning_lazytrain.sft.data.sft import SFTDataModule
 from lightning_lazytrain.sft.module import CausalLMModule
+from lightning_lazytrain.sft.progress import MaxStepsProgressBar
 
 #: the recipe used when no --config is given (present in a source checkout; recipes/ sits at the repo root)
 DEMO_RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "demo.yaml"
 _SUBCOMMANDS = ("fit", "validate", "test", "predict")
 # config sections holding a class's arguments; the parser silently skips one that is a number, bool or list
 _GROUPS = ("model", "data", "trainer")
+
+
+class ConfigError(ValueError):
+    """The config names something that cannot be built (the model, the datamodule or the trainer)."""
 
 
 def keep_freed_memory_in_heap() -> bool:
@@ -81,6 +93,23 @@ class LazyTrainCLI(LightningCLI):
         if cfg.get("cpu_heap_cache") and cfg.get("trainer", {}).get("accelerator") == "cpu":
             keep_freed_memory_in_heap()
 
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except DataError:
+            raise
+        except (ValueError, TypeError, KeyError, OSError, ImportError, MisconfigurationException) as exc:
+            raise ConfigError(f"the config cannot be built: {type(exc).__name__}: {exc}") from exc
+
+    def instantiate_trainer(self, **kwargs: object) -> Trainer:
+        config = self.config_init[self.subcommand]["trainer"] if self.subcommand else self.config_init["trainer"]
+        callbacks = list(config.get("callbacks") or [])
+        # Lightning adds its own bar when the callbacks have none; give it ours (the same bar, a right epoch total)
+        wants_bar = config.get("enable_progress_bar") is not False
+        if _RICH_AVAILABLE and wants_bar and not any(isinstance(c, ProgressBar) for c in callbacks):
+            kwargs.setdefault("callbacks", [*callbacks, MaxStepsProgressBar()])
+        return super().instantiate_trainer(**kwargs)
+
     def after_fit(self) -> None:
         export_dir = self.config[self.subcommand].get("export_dir")
         if export_dir and self.trainer.is_global_zero:
@@ -121,13 +150,25 @@ def config_problem(args: list[str]) -> str | None:
     return None
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> int:
     print(f"lazytrain: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
+    return 2
 
 
-def main(args: list[str] | None = None) -> LightningCLI:
-    """Entry point of ``lazytrain``; ``args`` (without the program name) default to ``sys.argv[1:]``."""
+def _run_failed(exc: BaseException) -> int:
+    traceback.print_exception(exc)
+    summary = str(exc).strip().splitlines()
+    print(f"lazytrain: error: the run failed: {type(exc).__name__}" + (f": {summary[0]}" if summary else ""),
+          file=sys.stderr)
+    return 1
+
+
+def main(args: list[str] | None = None) -> int:
+    """Entry point of ``lazytrain``; ``args`` (without the program name) default to ``sys.argv[1:]``.
+
+    Returns the exit status: 0 done, 1 the run failed, 2 a usage or config error. The parser's own errors and
+    ``--help``/``--print_config`` end the process by ``SystemExit`` with its status (2, or 0).
+    """
     argv = _with_default_config(list(sys.argv[1:] if args is None else args))
     # Read when CUDA's caching allocator starts, so before anything touches the GPU. Near a memory cap the
     # streamed layers' varying working sets fragment fixed segments: Qwen2.5-7B at batch 16 under a 24 GiB cap
@@ -135,12 +176,12 @@ def main(args: list[str] | None = None) -> LightningCLI:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     problem = config_problem(argv)
     if problem:
-        _fail(problem)
+        return _fail(problem)
     with warnings.catch_warnings():
         # we pass sys.argv on as `args` (to insert the demo config), which LightningCLI warns about as a mistake
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
         try:
-            return LazyTrainCLI(
+            LazyTrainCLI(
                 CausalLMModule,
                 SFTDataModule,
                 args=argv,
@@ -148,11 +189,14 @@ def main(args: list[str] | None = None) -> LightningCLI:
                 save_config_kwargs={"overwrite": True},
                 parser_kwargs={"parser_mode": "omegaconf"},
             )
-        except DataError as exc:
-            _fail(str(exc))
+        except (DataError, ConfigError, MisconfigurationException) as exc:
+            return _fail(str(exc))
         except OmegaConfBaseException as exc:  # e.g. an ${interpolation} of a key that does not exist
-            _fail(f"in the config: {exc}".strip())
+            return _fail(f"in the config: {exc}".strip())
+        except Exception as exc:  # any other failure is the run's: exit 1 after its traceback
+            return _run_failed(exc)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
