@@ -106,7 +106,10 @@ class StreamingExecutor:
         if self.pool is None or len(self.pool.slots) != slots:
             self.pool = None
             self._check_device_fits(slots, self.slot_numel, self.store.stream_dtype)
-            self.pool = SlotPool(self.queues, slots, self.slot_numel, self.store.stream_dtype)
+            try:
+                self.pool = SlotPool(self.queues, slots, self.slot_numel, self.store.stream_dtype)
+            except torch.OutOfMemoryError as err:
+                raise DeviceTooSmallError(self._slots_message(slots, self.slot_numel, self.store.stream_dtype)) from err
         self.homes = ActivationHomes(self.queues, plan.homes, self.store.pinned, self.spill_dir, self.timeout_s)
 
     @contextlib.contextmanager
@@ -122,16 +125,18 @@ class StreamingExecutor:
     def _check_device_fits(self, slots: int, slot_numel: int, dtype: torch.dtype) -> None:
         if self.device.type != "cuda":
             return
-        item = torch.empty((), dtype=dtype).element_size()
+        if (slots * slot_numel + 2 * self.resident_unit.numel) * dtype.itemsize > device_free_bytes(self.device):
+            raise DeviceTooSmallError(self._slots_message(slots, slot_numel, dtype))
+
+    def _slots_message(self, slots: int, slot_numel: int, dtype: torch.dtype) -> str:
+        item = dtype.itemsize
         need = (slots * slot_numel + 2 * self.resident_unit.numel) * item
-        free = device_free_bytes(self.device)
-        if need > free:
-            raise DeviceTooSmallError(
-                f"{slots} weight slots of {slot_numel * item / 2**30:.2f} GiB plus the resident embedding/head"
-                f" ({2 * self.resident_unit.numel * item / 2**30:.2f} GiB with gradients) need {need / 2**30:.2f} GiB,"
-                f" but {self.device} has {free / 2**30:.2f} GiB free. Use a plan with fewer resident layers"
-                " (smaller keep_graph_layers / interval) or a larger GPU."
-            )
+        return (
+            f"{slots} weight slots of {slot_numel * item / 2**30:.2f} GiB plus the resident embedding/head"
+            f" ({2 * self.resident_unit.numel * item / 2**30:.2f} GiB with gradients) need {need / 2**30:.2f} GiB,"
+            f" but {self.device} has {device_free_bytes(self.device) / 2**30:.2f} GiB free. Use a plan with fewer"
+            " resident layers (smaller keep_graph_layers / interval) or a larger GPU."
+        )
 
     def _install(self) -> None:
         model = self.adapter.model

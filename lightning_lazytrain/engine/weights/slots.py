@@ -42,9 +42,10 @@ class Slot:
 class SlotPool:
     def __init__(self, queues: DeviceQueues, num_slots: int, slot_numel: int, dtype: torch.dtype) -> None:
         self.queues = queues
-        self.slots = [
-            Slot(i, torch.empty(slot_numel, dtype=dtype, device=queues.device)) for i in range(num_slots)
-        ]
+        # One allocation for all slots: the allocator rounds each separate tensor up to its block size (2 MiB),
+        # which made many small slots take far more memory than the admission check counted.
+        flat = torch.empty(num_slots * slot_numel, dtype=dtype, device=queues.device)
+        self.slots = [Slot(i, flat[i * slot_numel : (i + 1) * slot_numel]) for i in range(num_slots)]
         self.slot_numel = slot_numel
         self._clock = 0
         self.h2d_copies = 0
