@@ -27,6 +27,7 @@ from lightning_lazytrain.checkpoint import sharded as sharded_checkpoint
 from lightning_lazytrain.checkpoint.atomic import AtomicCheckpointIO, CorruptCheckpointError
 from lightning_lazytrain.engine import StreamingExecutor
 from lightning_lazytrain.engine.device import device_free_bytes
+from lightning_lazytrain.engine.generation import EvalGeneration
 from lightning_lazytrain.engine.weights.shared_store import SharedParamStore
 from lightning_lazytrain.faults import GpuMemoryError, gpu_out_of_memory
 from lightning_lazytrain.memory import admission
@@ -38,6 +39,7 @@ from lightning_lazytrain.planner import PlanSettings, initial_plan, plan_of, sol
 from lightning_lazytrain.precision import LazyTrainPrecision
 from lightning_lazytrain.resume import STATE_KEY, ResumeState, fallback_for_last
 from lightning_lazytrain.schedule import AdmissionReport, Schedule
+from lightning_lazytrain.schedule.generation import GENERATION_MODES, GenerationMode
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +76,10 @@ class LazyTrainStrategy(ProcessGroupStrategy):
         spill_dir: directory for NVMe activation homes (files are removed at teardown and after a crash).
         checkpoint_io: default ``AtomicCheckpointIO`` (atomic saves, verified loads; see docs/reliability.md).
         solver_time_limit / solver_mip_gap: HiGHS limits for the MILP.
+        generation: how the model's ``generate`` runs (evaluation): ``"auto"`` loads every layer onto the device
+            once per evaluation when they fit beside the KV cache (plain HF decoding speed; freed before training
+            resumes) and otherwise streams them once per decode step for as many prompts as fit; ``"resident"`` /
+            ``"streamed"`` force one. The choice and its bytes are printed.
 
     With ``devices=N`` / ``num_nodes=M`` every process streams through its own device, and master weights,
     gradients and optimizer states are sharded across processes (``docs/engine.md``, "Several GPUs").
@@ -99,6 +105,7 @@ class LazyTrainStrategy(ProcessGroupStrategy):
         max_recompute_span: int = 4,
         solver_time_limit: float = 10.0,
         solver_mip_gap: float = 0.01,
+        generation: GenerationMode = "auto",
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
@@ -115,6 +122,10 @@ class LazyTrainStrategy(ProcessGroupStrategy):
         self.device_update_share = device_update_share
         self.nonfinite_guard = NonFiniteGuard()
         self.skipped_steps = 0
+        if generation not in GENERATION_MODES:
+            raise ValueError(f"generation must be one of {GENERATION_MODES}, got {generation!r}")
+        self.generation_mode = generation
+        self.generation: EvalGeneration | None = None
         self.executor: StreamingExecutor | None = None
         self.last_step_stats: dict[str, float] = {}
         self.plan_settings = PlanSettings(schedule, keep_graph_layers, gpu_activation_gib, cpu_activation_gib,
@@ -208,6 +219,7 @@ class LazyTrainStrategy(ProcessGroupStrategy):
                 spill_dir=self.plan_settings.spill_dir,
                 **store_kw,
             )
+            self.generation = EvalGeneration(self.executor, self.generation_mode)
         if trainer.state.fn == TrainerFn.FITTING:
             if self.distributed:
                 with defer_state_allocation():  # the engine's shard optimizer holds the states
@@ -303,7 +315,15 @@ class LazyTrainStrategy(ProcessGroupStrategy):
             return
         super().remove_checkpoint(filepath)
 
+    def on_validation_end(self) -> None:
+        """An evaluation's resident layer copies are dropped before training resumes."""
+        if self.generation is not None:
+            self.generation.release()
+
+    on_test_end = on_predict_end = on_validation_end
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.on_validation_end()
         self.resume.before_batch()
         if self.plan_settings.kind() != "milp" or self.schedule_result is not None or self.executor is None:
             return
@@ -376,6 +396,9 @@ class LazyTrainStrategy(ProcessGroupStrategy):
     def teardown(self) -> None:
         self.precision_plugin.direct_step = None
         self.resume.end_run()
+        if self.generation is not None:
+            self.generation.close()
+            self.generation = None
         if self.executor is not None:
             self.executor.close()
             self.executor = None

@@ -7,6 +7,7 @@ import torch
 from lightning_lazytrain.sft.data.formats import Record
 from lightning_lazytrain.sft.data.sft import SFTCollator, SFTDataModule, tokenize_records
 from lightning_lazytrain.sft.data.tokenizer import load_tokenizer
+from lightning_lazytrain.sft.eval_prompts import new_token_count
 from lightning_lazytrain.sft.module import CausalLMModule, build_model, warmup_cosine
 
 TINY = dict(model_type="qwen2", vocab_size=151669, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -76,19 +77,22 @@ def _eval_batch(tok, n=4):
     return SFTCollator(tok.pad_token_id, generation=True)(examples)
 
 
-def test_exact_match_counts_generated_answers(tok):
-    module = CausalLMModule(model_config=TINY, max_new_tokens=8, max_generate_samples=3)
+def test_exact_match_gathers_the_evaluations_prompts(tok):
+    """Prompts of all validation batches (up to the cap) are decoded in one call at the evaluation's end."""
+    module = CausalLMModule(model_config=TINY, max_new_tokens=8, max_generate_samples=6)
     module.tokenizer = tok
     batch = _eval_batch(tok)
     calls = []
 
     def fake_generate(input_ids, attention_mask, max_new_tokens, **kw):
-        # rows 0 and 2 answer right, row 1 wrong; decoding must start after the (left-padded) prompt
+        # the prompt "What is i + 1?" is answered i + 1, except i == 1; decoding starts after the left-padded prompt
         calls.append((input_ids.shape[0], max_new_tokens, kw["do_sample"]))
+        assert bool(attention_mask[:, -1].all()), "prompts must be left-padded"
         rows = []
-        for i in range(input_ids.shape[0]):
+        for ids, mask in zip(input_ids, attention_mask):
+            i = int(tok.decode(ids[mask.bool()]).split("What is ")[1].split(" ")[0])
             text = f"The answer is: {i + 1 if i != 1 else 99}<|im_end|>"
-            rows.append(torch.cat([input_ids[i], torch.tensor(tok(text).input_ids)]))
+            rows.append(torch.cat([ids, torch.tensor(tok(text).input_ids)]))
         width = max(len(r) for r in rows)
         return torch.stack([torch.nn.functional.pad(r, (0, width - len(r)), value=tok.pad_token_id) for r in rows])
 
@@ -97,11 +101,41 @@ def test_exact_match_counts_generated_answers(tok):
     module.log = lambda name, value, **kw: logged.__setitem__(name, (float(value), kw.get("batch_size")))
     module.on_validation_epoch_start()
     module.validation_step(batch, 0)
-    assert calls == [(3, 8, False)]  # capped at max_generate_samples, greedy
-    assert logged["val/exact_match"] == (pytest.approx(2 / 3), 3)
+    module.validation_step(batch, 1)  # two of its rows fit under the cap of 6
+    module.validation_step(batch, 2)  # the cap is per evaluation: none of these
+    assert calls == []
+    module.on_validation_epoch_end()
+    assert calls == [(6, 8, False)]  # one greedy call for the evaluation
+    assert logged["val/exact_match"] == (pytest.approx(4 / 6), 6)  # i = 0, 2, 3 and then 0 right; 1 twice wrong
+    assert logged["val/generate_tokens_per_s"][0] > 0 and logged["val/generate_s"][0] > 0
     assert math.isfinite(logged["val/loss"][0]) and 0.0 <= logged["val/token_acc"][0] <= 1.0
-    module.validation_step(batch, 1)  # the cap is per evaluation: nothing more is generated
+    module.on_validation_epoch_end()
     assert len(calls) == 1
+
+
+def test_generate_batch_size_splits_the_gathered_prompts(tok):
+    module = CausalLMModule(model_config=TINY, max_new_tokens=2, max_generate_samples=None, generate_batch_size=3)
+    module.tokenizer = tok
+    sizes = []
+
+    def fake_generate(input_ids, attention_mask, max_new_tokens, **kw):
+        sizes.append(input_ids.shape[0])
+        return torch.cat([input_ids, torch.full((input_ids.shape[0], 2), tok.pad_token_id)], 1)
+
+    module.model.generate = fake_generate
+    module.log = lambda *a, **kw: None
+    module.on_validation_epoch_start()
+    module.validation_step(_eval_batch(tok), 0)
+    module.validation_step(_eval_batch(tok, 3), 1)
+    module.on_validation_epoch_end()
+    assert sizes == [3, 3, 1]
+
+
+def test_new_token_count_stops_at_the_first_end_of_turn():
+    eos = 7
+    new = torch.tensor([[1, 2, eos, eos], [1, 2, 3, 4], [eos, eos, eos, eos]])
+    assert new_token_count(new, eos) == 3 + 4 + 1
+    assert new_token_count(new, None) == 12
 
 
 def test_validate_with_real_generation(tok):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import time
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -19,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreT
 from lightning_lazytrain.sft.data.answers import answers_match
 from lightning_lazytrain.sft.data.sft import IGNORE_INDEX
 from lightning_lazytrain.sft.data.tokenizer import end_of_turn_id, load_tokenizer
+from lightning_lazytrain.sft.eval_prompts import EvalPrompts, new_token_count
 
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -122,7 +124,9 @@ class CausalLMModule(pl.LightningModule):
         warmup_steps / warmup_ratio: linear warm-up length in optimizer steps, or as a share of the whole run.
         min_lr_ratio: cosine floor as a fraction of ``lr``; ``scheduler="constant"`` keeps ``lr`` after warm-up.
         max_new_tokens: generation cap per held-out prompt; ``max_generate_samples`` caps prompts per evaluation
-            (``0`` turns generation off, leaving loss and token accuracy).
+            (``0`` turns generation off, leaving loss and token accuracy). The evaluation's prompts are gathered
+            and decoded together at its end, ``generate_batch_size`` at a time (``None``: all in one call, which
+            lazytrain splits by device memory; set it under strategies that do not).
     """
 
     def __init__(
@@ -145,13 +149,14 @@ class CausalLMModule(pl.LightningModule):
         min_lr_ratio: float = 0.0,
         max_new_tokens: int = 64,
         max_generate_samples: int | None = 128,
+        generate_batch_size: int | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model: PreTrainedModel = build_model(pretrained, model_config, dtype, trust_remote_code,
                                                   attn_implementation)
         self._tokenizer: PreTrainedTokenizerBase | None = None
-        self._generated = 0
+        self._prompts = EvalPrompts()
 
     # -- tokenizer: the datamodule's when there is one, so data and generation agree --------------------------------
     @property
@@ -193,9 +198,15 @@ class CausalLMModule(pl.LightningModule):
 
     # -- evaluation ---------------------------------------------------------------------------------------------------
     def on_validation_epoch_start(self) -> None:
-        self._generated = 0
+        self._prompts.clear()
 
     on_test_epoch_start = on_validation_epoch_start
+
+    def on_validation_epoch_end(self) -> None:
+        self._generate_gathered("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._generate_gathered("test")
 
     def _eval_step(self, batch: dict[str, Any], prefix: str) -> None:
         n = batch["input_ids"].shape[0]
@@ -214,12 +225,30 @@ class CausalLMModule(pl.LightningModule):
                 acc = (pred[keep] == gold[keep]).float().mean()
                 self.log(f"{prefix}/token_acc", acc, batch_size=int(keep.sum()))
         cap = self.hparams.max_generate_samples
-        room = n if cap is None else min(n, cap - self._generated)
+        room = n if cap is None else min(n, cap - len(self._prompts))
         if room > 0 and "gen_input_ids" in batch:
-            texts = self.generate_answers(batch["gen_input_ids"][:room], batch["gen_attention_mask"][:room])
-            hits = [answers_match(t, ref) for t, ref in zip(texts, batch["answers"][:room], strict=True)]
-            self._generated += room
-            self.log(f"{prefix}/exact_match", sum(hits) / room, prog_bar=True, batch_size=room)
+            gen_ids, gen_mask = batch["gen_input_ids"][:room], batch["gen_attention_mask"][:room]
+            self._prompts.add(gen_ids, gen_mask, batch["answers"][:room])
+
+    def _generate_gathered(self, prefix: str) -> None:
+        """Greedy answers for every prompt of the evaluation; exact match, decode tokens/s and wall seconds."""
+        prompts, n = self._prompts, len(self._prompts)
+        if n == 0:
+            return
+        step = self.hparams.generate_batch_size or n
+        hits, tokens, start = 0, 0, time.perf_counter()
+        for first in range(0, n, step):
+            ids, mask = prompts.batch(first, min(n, first + step), self._pad_id())
+            new_ids = self._generate_new_ids(ids, mask)
+            tokens += new_token_count(new_ids, end_of_turn_id(self.tokenizer))
+            texts = self.tokenizer.batch_decode(new_ids, skip_special_tokens=True)
+            refs = prompts.answers[first : first + step]
+            hits += sum(answers_match(t, ref) for t, ref in zip(texts, refs, strict=True))
+        seconds = time.perf_counter() - start
+        prompts.clear()
+        self.log(f"{prefix}/exact_match", hits / n, prog_bar=True, batch_size=n)
+        self.log(f"{prefix}/generate_s", seconds, batch_size=n)
+        self.log(f"{prefix}/generate_tokens_per_s", tokens / max(seconds, 1e-9), batch_size=n)
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         self._eval_step(batch, "val")
@@ -232,16 +261,21 @@ class CausalLMModule(pl.LightningModule):
         return [{"generated": t, "reference": r, "match": answers_match(t, r)}
                 for t, r in zip(texts, batch["answers"], strict=True)]
 
-    @torch.no_grad()
-    def generate_answers(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[str]:
-        """Greedy, batched, left-padded generation of at most ``max_new_tokens``; returns the decoded new text."""
+    def _pad_id(self) -> int:
         tok = self.tokenizer
-        pad = tok.pad_token_id if tok.pad_token_id is not None else end_of_turn_id(tok)
+        return tok.pad_token_id if tok.pad_token_id is not None else end_of_turn_id(tok)
+
+    @torch.no_grad()
+    def _generate_new_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         out = self.model.generate(
             input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=self.hparams.max_new_tokens,
-            do_sample=False, eos_token_id=end_of_turn_id(tok), pad_token_id=pad, use_cache=True,
+            do_sample=False, eos_token_id=end_of_turn_id(self.tokenizer), pad_token_id=self._pad_id(), use_cache=True,
         )
-        return tok.batch_decode(out[:, input_ids.shape[1]:], skip_special_tokens=True)
+        return out[:, input_ids.shape[1]:]
+
+    def generate_answers(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[str]:
+        """Greedy, batched, left-padded generation of at most ``max_new_tokens``; returns the decoded new text."""
+        return self.tokenizer.batch_decode(self._generate_new_ids(input_ids, attention_mask), skip_special_tokens=True)
 
     # -- optimizer ----------------------------------------------------------------------------------------------------
     def _param_groups(self) -> list[dict[str, Any]]:
