@@ -44,8 +44,13 @@ class SlotPool:
         self.queues = queues
         # One allocation for all slots: the allocator rounds each separate tensor up to its block size (2 MiB),
         # which made many small slots take far more memory than the admission check counted.
-        flat = torch.empty(num_slots * slot_numel, dtype=dtype, device=queues.device)
-        self.slots = [Slot(i, flat[i * slot_numel : (i + 1) * slot_numel]) for i in range(num_slots)]
+        # Each slot is its own tensor over that storage (set_, not a view): views would share one version counter,
+        # and a copy into one slot would then invalidate the autograd graph that saved another slot's weights.
+        storage = torch.empty(num_slots * slot_numel, dtype=dtype, device=queues.device).untyped_storage()
+        self.slots = [
+            Slot(i, torch.empty(0, dtype=dtype, device=queues.device).set_(storage, i * slot_numel, (slot_numel,)))
+            for i in range(num_slots)
+        ]
         self.slot_numel = slot_numel
         self._clock = 0
         self.h2d_copies = 0
