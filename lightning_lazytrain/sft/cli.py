@@ -169,7 +169,12 @@ def main(args: list[str] | None = None) -> int:
     Returns the exit status: 0 done, 1 the run failed, 2 a usage or config error. The parser's own errors and
     ``--help``/``--print_config`` end the process by ``SystemExit`` with its status (2, or 0).
     """
-    argv = _with_default_config(list(sys.argv[1:] if args is None else args))
+    argv = list(sys.argv[1:] if args is None else args)
+    if argv[:1] == ["plan"]:  # no training: the config's shapes against a GPU (sft/plan_command.py)
+        from lightning_lazytrain.sft.plan_command import main as plan
+
+        return plan(argv[1:])
+    argv = _with_default_config(argv)
     # Read when CUDA's caching allocator starts, so before anything touches the GPU. Near a memory cap the
     # streamed layers' varying working sets fragment fixed segments: Qwen2.5-7B at batch 16 under a 24 GiB cap
     # ran out of memory without it and ran with it (docs/benchmarks.md, P5). A user's own setting wins.

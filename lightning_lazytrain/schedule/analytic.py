@@ -1,0 +1,133 @@
+"""A `Profile` and a GPU working set from the model's shapes alone, for a GPU that is not here.
+
+Per-layer time is the layer's forward FLOPs (2 x parameters x tokens + the attention's token mixing) over an
+achieved rate, ``ACHIEVED_FRACTION`` of the GPU's published dense bf16 peak. The fraction is what the H200 reached
+in a streamed step: Qwen2.5-7B shape, batch 64 x 1024, 80 GiB cap, 6.40 s of GPU compute (step minus host waits)
+for 3.68e15 executed FLOPs = 575 TFLOP/s of 989 (benchmarks/results/h200.json, commit a0fe04b). Smaller matmuls
+reach less of the peak, so at small batches the prediction is optimistic.
+
+The working set counts what the engine holds on the GPU besides the saved boundaries; see `gpu_layout`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from lightning_lazytrain.models.adapter import ModelAdapter
+
+from .gpus import GpuSpec
+from .profile import SOURCE_KEYS, Profile, _attention_flops, _unique_numel
+
+ACHIEVED_FRACTION = 0.58
+DISK_READ, DISK_WRITE = 1.28e9, 0.51e9  # REFERENCE.md: the H200 machine's disk (no spill dir to measure)
+LOSS_CHUNK_BYTES = 1 << 29  # the executor's default loss chunk: fp32 logits of this many bytes, and their grad
+
+
+def model_flops_per_step(num_params: int, num_layers: int, hidden: int, batch: int, seq: int) -> float:
+    """The model FLOPs TFLOPS figures count: (6 N + 12 layers hidden seq) per token (REFERENCE.md)."""
+    return (6.0 * num_params + 12.0 * num_layers * hidden * seq) * batch * seq
+
+
+def analytic_profile(
+    adapter: ModelAdapter,
+    batch: int,
+    seq: int,
+    gpu: GpuSpec,
+    stream_dtype: torch.dtype = torch.bfloat16,
+    achieved_fraction: float = ACHIEVED_FRACTION,
+) -> Profile:
+    """The profile ``profile_model`` would measure on ``gpu``, from FLOPs and the published figures.
+
+    Works on a model built on the meta device (only shapes are read).
+    """
+    config = adapter.model.config
+    itemsize = torch.empty((), dtype=stream_dtype).element_size()
+    tokens, types = batch * seq, adapter.layer_types()
+    rate = gpu.bf16_tflops * 1e12 * achieved_fraction
+    numel = [_unique_numel(layer) for layer in adapter.layers]
+    forward = [
+        (2.0 * numel[j] * tokens + _attention_flops(config, types[j], batch, seq)) / rate
+        for j in range(adapter.num_layers)
+    ]
+    head = 6.0 * config.vocab_size * config.hidden_size * tokens / rate
+    act = batch * seq * config.hidden_size * itemsize
+    scaling = (
+        f"analytic: layer FLOPs / {rate / 1e12:.0f} TFLOP/s ({achieved_fraction:.2f} of {gpu.name}'s "
+        f"{gpu.bf16_tflops:g} dense bf16 peak); link PCIe gen{gpu.pcie_gen} x16 at the H200's measured share"
+    )
+    return Profile(
+        forward_seconds=forward,
+        activation_bytes=[act] * (adapter.num_layers + 1),
+        param_bytes=[k * itemsize for k in numel],
+        head_seconds=head,
+        h2d_bytes_per_s=gpu.h2d_bytes_per_s,
+        d2h_bytes_per_s=gpu.d2h_bytes_per_s,
+        duplex_bytes_per_s=gpu.duplex_bytes_per_s,
+        nvme_read_bytes_per_s=DISK_READ,
+        nvme_write_bytes_per_s=DISK_WRITE,
+        device_name=gpu.description,
+        sources=dict.fromkeys(SOURCE_KEYS, "analytic"),
+        batch=batch,
+        seq=seq,
+        dtype=str(stream_dtype).replace("torch.", ""),
+        layer_types=types,
+        info={"scaling": scaling, "achieved_tflops": rate / 1e12},
+    )
+
+
+def scale_profile(profile: Profile, measured_tflops: float, gpu: GpuSpec) -> Profile:
+    """A profile measured on a GPU of ``measured_tflops`` peak, carried over to ``gpu``: times scaled by the ratio
+    of the dense bf16 peaks, the link replaced by ``gpu``'s."""
+    ratio = measured_tflops / gpu.bf16_tflops
+    scaling = (
+        f"measured on {profile.device_name}, times x {ratio:.3f} ({measured_tflops:g} / {gpu.bf16_tflops:g} "
+        f"dense bf16 TFLOPS of {gpu.name}); link PCIe gen{gpu.pcie_gen} x16 at the H200's measured share"
+    )
+    return replace(
+        profile,
+        forward_seconds=[f * ratio for f in profile.forward_seconds],
+        head_seconds=profile.head_seconds * ratio,
+        h2d_bytes_per_s=gpu.h2d_bytes_per_s,
+        d2h_bytes_per_s=gpu.d2h_bytes_per_s,
+        duplex_bytes_per_s=gpu.duplex_bytes_per_s,
+        device_name=gpu.description,
+        sources={**profile.sources, "h2d": "analytic", "d2h": "analytic", "duplex": "analytic"},
+        info={**profile.info, "scaling": scaling},
+    )
+
+
+@dataclass(frozen=True)
+class GpuLayout:
+    """GPU bytes a run holds besides the saved boundaries, for one batch shape.
+
+    ``slot_bytes``: one weight slot (the largest layer in the stream dtype). ``resident_bytes``: embeddings, final
+    norm and head, twice (the stream copy and its device buffer, as admission counts them) plus their gradient.
+    ``workspace_bytes``: one layer's forward-with-grad graph and its backward's transients (per token 8 hidden + 6
+    intermediate values in the stream dtype) plus the loss chunk's fp32 logits and their gradient. An analytic
+    estimate (the per-layer working set is not profiled yet, issue 16); docs/plan.md compares it with measured
+    peaks.
+    """
+
+    slot_bytes: int
+    resident_bytes: int
+    workspace_bytes: int
+
+    def fixed_bytes(self, num_slots: int) -> int:
+        return num_slots * self.slot_bytes + self.resident_bytes + self.workspace_bytes
+
+
+def gpu_layout(adapter: ModelAdapter, batch: int, seq: int, stream_dtype: torch.dtype = torch.bfloat16) -> GpuLayout:
+    config = adapter.model.config
+    itemsize = torch.empty((), dtype=stream_dtype).element_size()
+    slot = max(_unique_numel(layer) for layer in adapter.layers) * itemsize
+    layer_ids = {id(p) for layer in adapter.layers for p in layer.parameters()}
+    resident = sum(p.numel() for p in {id(p): p for p in adapter.model.parameters()}.values() if id(p) not in layer_ids)
+    h, inter = config.hidden_size, getattr(config, "intermediate_size", 4 * config.hidden_size)
+    per_token = (8 * h + 6 * inter) * itemsize
+    return GpuLayout(
+        slot_bytes=slot,
+        resident_bytes=3 * resident * itemsize,
+        workspace_bytes=per_token * batch * seq + 2 * LOSS_CHUNK_BYTES,
+    )

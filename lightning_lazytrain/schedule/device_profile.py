@@ -1,0 +1,53 @@
+"""`profile_model` for a model that has no weights (built on the meta device), measured on this CUDA device.
+
+A copy of the model with one decoder layer per layer kind is built on the device with random weights (the
+embeddings and head included), profiled as usual, and its per-kind layer times are spread over the full model's
+layers; bytes come from the full model's shapes.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from lightning_lazytrain.models.adapter import ModelAdapter, adapter_for
+
+from .profile import Profile, _unique_numel, profile_model
+
+
+def measured_profile(
+    adapter: ModelAdapter,
+    batch: int,
+    seq: int,
+    device: torch.device,
+    stream_dtype: torch.dtype = torch.bfloat16,
+    cache_dir: str | None = None,
+) -> Profile:
+    """Profile of ``adapter``'s model at ``batch`` x ``seq``, timed on ``device`` through a one-layer-per-kind copy."""
+    types = adapter.layer_types()
+    kinds = list(dict.fromkeys(types))
+    config = copy.deepcopy(adapter.model.config)
+    config.num_hidden_layers = len(kinds)
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = kinds
+    with torch.device(device):
+        small = AutoModelForCausalLM.from_config(config, dtype=stream_dtype, attn_implementation="sdpa")
+    try:
+        measured = profile_model(adapter_for(small), batch, seq, device, stream_dtype, cache_dir=cache_dir)
+    finally:
+        del small
+        torch.cuda.empty_cache()
+    per_kind = dict(zip(kinds, measured.forward_seconds))
+    itemsize = torch.empty((), dtype=stream_dtype).element_size()
+    act = batch * seq * adapter.model.config.hidden_size * itemsize
+    return replace(
+        measured,
+        forward_seconds=[per_kind[t] for t in types],
+        activation_bytes=[act] * (adapter.num_layers + 1),
+        param_bytes=[_unique_numel(layer) * itemsize for layer in adapter.layers],
+        layer_types=types,
+        info={**measured.info, "scaling": f"measured on {measured.device_name} (one layer per kind)"},
+    )

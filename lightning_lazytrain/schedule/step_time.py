@@ -1,0 +1,62 @@
+"""Predicted seconds of one training step for a plan, from its profile.
+
+Forward of layer j: its compute ``rho_j`` or its weights' copy, whichever is longer (the copy of the next layer
+runs beside it). Backward of layer j: forward-with-grad + backward, ``(1 + backward_factor) rho_j``, against the
+weights' second copy and the gradient's copy back; a layer that keeps its graph skips the forward-with-grad and the
+second copy. Then the head, the plan's exposed seconds (re-forwards + transfers the links cannot hide, as the MILP
+charges them) and the optimizer update.
+
+The update is counted as exposed in full: the measured H200 steps waited for nearly all of it (1.14 of 1.27 s of
+update work at 7B batch 64, 0.54 of 0.67 s at 3B batch 8; benchmarks/results/h200.json), because it can start
+only once the gradient norm is known, after the whole backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .build import _ITEMSIZE
+from .profile import Profile
+from .schedule import Schedule
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    forward_s: float
+    backward_s: float
+    head_s: float
+    exposed_s: float
+    update_s: float
+
+    @property
+    def step_s(self) -> float:
+        return self.forward_s + self.backward_s + self.head_s + self.exposed_s + self.update_s
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "step_s": self.step_s}
+
+
+def predict_step(
+    profile: Profile,
+    schedule: Schedule,
+    update_s: float,
+    backward_factor: float = 2.0,
+    grad_bytes_per_param: int | None = None,
+) -> StepPrediction:
+    """Seconds of one step of ``schedule`` on the machine ``profile`` describes; ``update_s`` is the optimizer's."""
+    h2d, d2h = profile.h2d_bytes_per_s, profile.d2h_bytes_per_s
+    grad_scale = (grad_bytes_per_param or _ITEMSIZE.get(profile.dtype, 2)) / _ITEMSIZE.get(profile.dtype, 2)
+    forward = backward = 0.0
+    for j, (rho, nbytes) in enumerate(zip(profile.forward_seconds, profile.param_bytes)):
+        copy = nbytes / h2d
+        forward += max(rho, copy)
+        kept = schedule.keep_graph[j]
+        compute = (backward_factor if kept else 1.0 + backward_factor) * rho
+        backward += max(compute, 0.0 if kept else copy, nbytes * grad_scale / d2h)
+    return StepPrediction(
+        forward_s=forward,
+        backward_s=backward,
+        head_s=profile.head_seconds,
+        exposed_s=schedule.predicted_exposed_seconds,
+        update_s=update_s,
+    )

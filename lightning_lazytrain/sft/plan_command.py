@@ -1,0 +1,233 @@
+"""``lazytrain plan``: will this config fit, and how fast will it step? Answered before any weight is loaded.
+
+It reads the same config and overrides as ``lazytrain fit`` (``--config recipes/qwen2.5-7b.yaml --data.batch_size
+64 --trainer.devices 2``), builds the model on the meta device, and runs admission and the activation plan for
+the GPU here (measured profile) or a named one (``--gpu h200``: published figures, analytic times). It prints
+host RAM, GPU memory and disk needed against what is there, the plan, the predicted step time and TFLOPS, and
+the largest batch that fits.
+
+Exit status: 0 with an answer (whether it fits is in it: "fits" / "DOES NOT FIT", ``"fits"`` in the JSON), 2 for
+a usage or config error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import sys
+import warnings
+from dataclasses import replace
+
+import psutil
+import torch
+
+from lightning_lazytrain.models.adapter import UnsupportedModelError, adapter_for
+from lightning_lazytrain.schedule.analytic import analytic_profile, scale_profile
+from lightning_lazytrain.schedule.forecast import Forecast, Machine, RunSpec, forecast, largest_batch
+from lightning_lazytrain.schedule.gpus import GPUS, GpuSpec, gpu_spec, spec_for_device
+from lightning_lazytrain.sft.cli import ConfigError, LazyTrainCLI
+from lightning_lazytrain.sft.data.sft import SFTDataModule
+from lightning_lazytrain.sft.module import CausalLMModule
+from lightning_lazytrain.sft.plan_model import meta_model, model_config
+from lightning_lazytrain.sft.plan_report import render
+
+GIB = float(1 << 30)
+UPDATE_GPARAMS_PER_S = 4.0  # HybridAdamW, bf16 grads + clip + stream copy, 16-core H200 host (optim_cpu_16core.json)
+
+
+class PlanCLI(LazyTrainCLI):
+    """The fit parser plus the planner's own options; nothing is instantiated (the plan needs shapes only)."""
+
+    def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001 - jsonargparse's parser type
+        super().add_arguments_to_parser(parser)
+        parser.add_argument(
+            "--gpu", type=str | None, default=None, help=f"plan for this GPU instead of the one here: {', '.join(GPUS)}"
+        )
+        parser.add_argument(
+            "--gpu_memory_gib",
+            type=float | None,
+            default=None,
+            help="cap the GPU memory the plan may use (as the benchmarks' caps do)",
+        )
+        parser.add_argument(
+            "--host_ram_gib",
+            type=float | None,
+            default=None,
+            help="plan for a host with this much available RAM instead of this machine's",
+        )
+        parser.add_argument(
+            "--update_gparams_per_s",
+            type=float,
+            default=UPDATE_GPARAMS_PER_S,
+            help="the host's CPU optimizer update rate in G parameters/s",
+        )
+        parser.add_argument("--max_batch", type=bool, default=True, help="search for the largest batch that fits")
+        parser.add_argument("--json", type=bool, default=False, help="print the answer as one JSON object")
+
+    def before_instantiate_classes(self) -> None:
+        """The data is not read: a plan needs its batch size and sequence length only."""
+
+    def instantiate_classes(self) -> None:
+        """Nothing is built here; `main` builds the model on the meta device."""
+
+
+def _strategy_args(trainer: dict) -> dict:
+    strategy = trainer.get("strategy")
+    if isinstance(strategy, dict):
+        name = str(strategy.get("class_path", ""))
+        if not name.endswith("LazyTrainStrategy"):
+            raise ConfigError(f"trainer.strategy is {name}; lazytrain plan plans the lazytrain strategy only")
+        return dict(strategy.get("init_args") or {})
+    if strategy not in ("lazytrain", None):
+        raise ConfigError(f"trainer.strategy={strategy!r}; lazytrain plan plans the lazytrain strategy only")
+    return {}
+
+
+def _devices(trainer: dict) -> int:
+    devices = trainer.get("devices", 1)
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    if isinstance(devices, str) and devices.strip().isdigit():
+        return int(devices)
+    if isinstance(devices, int) and devices > 0:
+        return devices
+    return max(1, torch.cuda.device_count())  # "auto" / -1: what Lightning would take here
+
+
+def _state_bytes(model: dict) -> float:
+    """Optimizer state bytes per parameter for the recipe's optimizer."""
+    name = str(model.get("optimizer") or "torch.optim.AdamW")
+    if name.endswith("HybridAdamW"):
+        fraction = float((model.get("optimizer_kwargs") or {}).get("eight_bit_fraction", 0.0))
+        return 8.0 - 6.0 * fraction  # fp32 m and v, 8-bit ones for the fraction
+    if name.endswith(("SGD",)):
+        return 4.0 if (model.get("optimizer_kwargs") or {}).get("momentum") else 0.0
+    return 8.0
+
+
+def _machine_and_profiles(cfg: dict, gpu_name: str | None, run: RunSpec):
+    """(GpuSpec to plan for, profile function, words for the source)."""
+    here = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    measured_spec = spec_for_device(here) if here else None
+    if gpu_name is None and here is None:
+        raise ConfigError(f"no CUDA device here: name the GPU to plan for with --gpu ({', '.join(GPUS)})")
+    if gpu_name is None:
+        total = torch.cuda.get_device_properties(0).total_memory
+        spec = GpuSpec("this GPU", here, total, measured_spec.bf16_tflops if measured_spec else 0.0, 5)
+        return spec, lambda b: _measured(run, b), f"the GPU here ({here})"
+    spec = gpu_spec(gpu_name)
+    if measured_spec is not None:
+        if measured_spec.name == spec.name:
+            return spec, lambda b: _measured(run, b), f"--gpu {spec.name}, measured here"
+        ratio_from = measured_spec.bf16_tflops
+        return spec, lambda b: scale_profile(_measured(run, b), ratio_from, spec), f"--gpu {spec.name}"
+    return spec, lambda b: analytic_profile(run.adapter, b, run.seq, spec, run.stream_dtype), f"--gpu {spec.name}"
+
+
+def _measured(run: RunSpec, batch: int):
+    from lightning_lazytrain.schedule.device_profile import measured_profile
+
+    return measured_profile(run.adapter, batch, run.seq, torch.device("cuda", 0), run.stream_dtype)
+
+
+def _plan(cli: PlanCLI) -> dict:
+    cfg = cli.config.as_dict()
+    model_cfg, data, trainer = cfg.get("model") or {}, cfg.get("data") or {}, cfg.get("trainer") or {}
+    try:
+        config, source = model_config(
+            model_cfg.get("pretrained"), model_cfg.get("model_config"), bool(model_cfg.get("trust_remote_code"))
+        )
+        adapter = adapter_for(meta_model(config, bool(model_cfg.get("trust_remote_code"))))
+    except (ValueError, OSError, UnsupportedModelError) as exc:
+        raise ConfigError(f"the model cannot be planned: {exc}") from exc
+    strategy = _strategy_args(trainer)
+    world = _devices(trainer) * int(trainer.get("num_nodes") or 1)
+    known = set(RunSpec.__dataclass_fields__) - {
+        "adapter",
+        "seq",
+        "precision",
+        "optimizer_state_bytes_per_param",
+        "grad_accumulation",
+        "world_size",
+        "ranks_per_host",
+    }
+    run = RunSpec(
+        adapter,
+        int(data.get("max_seq_length") or 1024),
+        str(trainer.get("precision") or "32-true"),
+        _state_bytes(model_cfg),
+        int(trainer.get("accumulate_grad_batches") or 1) > 1,
+        world,
+        min(world, _devices(trainer)),
+        **{k: v for k, v in strategy.items() if k in known},
+    )
+    try:
+        spec, profile_for, gpu_words = _machine_and_profiles(cfg, cfg.get("gpu"), run)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    if cfg.get("gpu_memory_gib") is not None:
+        spec = replace(spec, memory_bytes=int(cfg["gpu_memory_gib"] * GIB))
+        gpu_words += f", capped at {cfg['gpu_memory_gib']:g} GiB"
+    disk_dir = run.spill_dir or "."
+    host = cfg.get("host_ram_gib")
+    machine = Machine(
+        spec,
+        int(host * GIB) if host is not None else psutil.virtual_memory().available,
+        shutil.disk_usage(disk_dir).free if run.spill_dir else 0,
+        float(cfg.get("update_gparams_per_s") or UPDATE_GPARAMS_PER_S) * 1e9,
+    )
+    batch = int(data.get("batch_size") or 1)
+    asked = forecast(run, machine, batch, profile_for)
+    best: Forecast | None = largest_batch(run, machine, profile_for) if cfg.get("max_batch", True) else None
+    answer = {
+        "model": {
+            "architecture": type(adapter.model).__name__,
+            "config": source,
+            "layers": adapter.num_layers,
+            "params": run.trainable_params,
+        },
+        "gpu": {
+            "name": spec.name,
+            "description": spec.description,
+            "memory_bytes": spec.memory_bytes,
+            "source": gpu_words,
+        },
+        "host": {
+            "available_bytes": machine.host_available_bytes,
+            "source": "--host_ram_gib" if host is not None else "this machine",
+            "update_params_per_s": machine.update_params_per_s,
+        },
+        "run": {
+            "seq": run.seq,
+            "precision": run.precision,
+            "world_size": run.world_size,
+            "schedule": run.schedule,
+            "optimizer_state_bytes_per_param": run.optimizer_state_bytes_per_param,
+        },
+        "asked": asked.to_dict(),
+        "largest": None if best is None else best.to_dict(),
+    }
+    return answer
+
+
+def main(args: list[str]) -> int:
+    """``lazytrain plan ...`` (``args`` without ``plan``); returns the exit status."""
+    logging.getLogger("lightning.fabric.utilities.seed").setLevel(logging.WARNING)  # "Seed set to": no run here
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+            cli = PlanCLI(
+                CausalLMModule,
+                SFTDataModule,
+                args=args,
+                run=False,
+                save_config_callback=None,
+                parser_kwargs={"parser_mode": "omegaconf"},
+            )
+        answer = _plan(cli)
+    except ConfigError as exc:
+        print(f"lazytrain plan: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(answer, indent=2) if cli.config.get("json") else render(answer))
+    return 0

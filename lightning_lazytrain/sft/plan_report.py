@@ -1,0 +1,67 @@
+"""The text ``lazytrain plan`` prints, from the answer it would print as JSON with ``--json``."""
+
+from __future__ import annotations
+
+GIB = float(1 << 30)
+_LETTER = {"gpu": "G", "cpu": "C", "nvme": "N", "recompute": "r"}
+
+
+def _tiers(asked: dict) -> list[str]:
+    lines = [f"  {'':<9} {'piece':<36} {'GiB':>9}"]
+    for name, tier in asked["tiers"].items():
+        for piece, b in tier["pieces"].items():
+            lines.append(f"  {name:<9} {piece:<36} {b / GIB:>9.2f}")
+        short = tier["need_bytes"] - tier["have_bytes"]
+        verdict = f"SHORT by {short / GIB:.2f} GiB" if short > 0 else "ok"
+        lines.append(
+            f"  {name:<9} {'need / have':<36} {tier['need_bytes'] / GIB:>9.2f} / "
+            f"{tier['have_bytes'] / GIB:.2f}  {verdict}"
+        )
+    return lines
+
+
+def _plan_lines(f: dict) -> list[str]:
+    s = f["schedule"]
+    if s is None:
+        return ["  no plan fits (see the notes)"]
+    tiers = s["tiers"]
+    counts = ", ".join(f"{t} {tiers.count(t)}" for t in ("gpu", "cpu", "nvme", "recompute"))
+    solve = s["info"].get("solve_seconds")
+    how = f"{s['status']}" + (f" in {solve:.2f} s, gap {s['info'].get('mip_gap', 0):.4f}" if solve is not None else "")
+    p = f["prediction"]
+    return [
+        f"  plan ({how}): boundaries {counts}; graphs kept {sum(s['keep_graph'])}",
+        "  homes (G gpu, C cpu, N nvme, r recompute): " + "".join(_LETTER[t] for t in tiers),
+        f"  predicted step {p['step_s']:.2f} s = forward {p['forward_s']:.2f} + backward {p['backward_s']:.2f} + "
+        f"head {p['head_s']:.2f} + exposed {p['exposed_s']:.2f} + update {p['update_s']:.2f}; "
+        f"{f['model_tflops']:.1f} model-TFLOPS",
+    ]
+
+
+def render(answer: dict) -> str:
+    m, g, r, asked = answer["model"], answer["gpu"], answer["run"], answer["asked"]
+    out = [
+        f"lazytrain plan: {m['architecture']}, {m['layers']} layers, {m['params'] / 1e9:.2f} B parameters "
+        f"(config: {m['config']})",
+        f"GPU: {g['description']}, {g['memory_bytes'] / GIB:.1f} GiB ({g['source']})",
+        f"times: {asked['scaling']}",
+        f"host: {answer['host']['available_bytes'] / GIB:.1f} GiB RAM available ({answer['host']['source']}); "
+        f"CPU update "
+        f"{answer['host']['update_params_per_s'] / 1e9:.1f} G params/s (--update_gparams_per_s)",
+        f"run: batch {asked['batch']} x seq {r['seq']}, {r['precision']}, {r['world_size']} process(es), "
+        f"schedule {r['schedule']}, optimizer states {r['optimizer_state_bytes_per_param']:.2f} B/param",
+        f"batch {asked['batch']}: {'fits' if asked['fits'] else 'DOES NOT FIT'}",
+    ]
+    out += _tiers(asked) + _plan_lines(asked) + [f"  note: {n}" for n in asked["notes"]]
+    best = answer.get("largest")
+    if best is None and "largest" in answer:
+        out.append("largest batch the GPU takes: none (not even batch 1)")
+    elif best is not None and not best["fits_gpu"]:
+        out.append(f"largest batch the GPU takes: none found at or below {best['batch']}")
+    elif best is not None:
+        line = f"largest batch the GPU takes: {best['batch']}"
+        if best["prediction"] is not None:
+            line += f" (predicted {best['prediction']['step_s']:.2f} s/step, {best['model_tflops']:.1f} model-TFLOPS)"
+        out.append(line)
+        out += [f"  note: {n}" for n in best["notes"]]
+    return "\n".join(out)

@@ -1,0 +1,86 @@
+"""``lazytrain plan``: the installed console script, run as a process, offline (the model comes from its shape)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_lazytrain.sft.plan_model import model_config
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE_7B = ROOT / "recipes" / "qwen2.5-7b.yaml"
+LAZYTRAIN = Path(sys.executable).with_name("lazytrain")
+
+
+def plan(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    assert LAZYTRAIN.is_file(), f"{LAZYTRAIN} missing: install the package (pip install -e .) before testing"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(cwd / "hf")}  # an empty hub cache, no network
+    return subprocess.run(
+        [str(LAZYTRAIN), "plan", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300
+    )
+
+
+def test_plan_of_the_7b_recipe_on_an_h200(tmp_path):
+    proc = plan(["--config", str(RECIPE_7B), "--gpu", "h200", "--host_ram_gib", "120"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "Qwen2ForCausalLM, 28 layers, 7.62 B parameters" in out and "published shape 'qwen2.5-7b'" in out
+    assert "batch 144: fits" in out and "boundaries gpu 29, cpu 0, nvme 0, recompute 0" in out
+    assert "0.58 of h200's 989 dense bf16 peak" in out and "largest batch the GPU takes: " in out
+    assert "Traceback" not in proc.stderr and "Seed set" not in proc.stderr + out
+
+
+def test_an_unknown_gpu_is_a_usage_error(tmp_path):
+    proc = plan(["--config", str(RECIPE_7B), "--gpu", "tpu-v5"], tmp_path)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "unknown GPU 'tpu-v5': --gpu takes one of h200, h100, a100-80gb, l40s, rtx4090, rtx3090" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_json_answer_follows_the_overrides(tmp_path):
+    proc = plan(
+        [
+            "--config",
+            str(RECIPE_7B),
+            "--gpu",
+            "rtx4090",
+            "--data.batch_size",
+            "4",
+            "--trainer.devices",
+            "2",
+            "--data.max_seq_length",
+            "512",
+            "--max_batch",
+            "false",
+            "--json",
+            "true",
+            "--host_ram_gib",
+            "200",
+        ],
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    answer = json.loads(proc.stdout)
+    assert answer["asked"]["batch"] == 4 and answer["run"]["seq"] == 512 and answer["run"]["world_size"] == 2
+    assert answer["largest"] is None and answer["gpu"]["memory_bytes"] == 24564 << 20
+    host = answer["asked"]["tiers"]["host"]["pieces"]
+    # two processes on one host: the streamed copy once, everything else as the two ranks' shards (all of it)
+    assert host["streamed copy (shared, once per host)"] == 2 * answer["model"]["params"]
+    assert answer["asked"]["prediction"]["update_s"] == pytest.approx(answer["model"]["params"] / 4.0e9)
+
+
+def test_a_hub_name_with_no_config_anywhere_names_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    config, source = model_config("Qwen/Qwen2.5-14B", None)
+    assert config.num_hidden_layers == 48 and "published shape 'qwen2.5-14b'" in source
+    with pytest.raises(ValueError, match="model.model_config with one of qwen2.5-3b"):
+        model_config("someone/unknown-model", None)
+    local = tmp_path / "local"
+    config.save_pretrained(local)
+    assert model_config(str(local), None) == (config.__class__.from_pretrained(local), str(local))
