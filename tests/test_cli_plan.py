@@ -84,3 +84,13 @@ def test_a_hub_name_with_no_config_anywhere_names_the_fix(tmp_path, monkeypatch)
     local = tmp_path / "local"
     config.save_pretrained(local)
     assert model_config(str(local), None) == (config.__class__.from_pretrained(local), str(local))
+
+
+@pytest.mark.gpu
+def test_plan_with_the_gpu_here_measures_it(tmp_path):
+    recipe = ROOT / "recipes" / "qwen2.5-3b.yaml"
+    proc = plan(["--config", str(recipe), "--data.batch_size", "8", "--json", "true"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    answer = json.loads(proc.stdout)
+    assert answer["asked"]["scaling"].startswith("measured on NVIDIA") and answer["asked"]["fits_gpu"]
+    assert answer["largest"]["batch"] > 8 and answer["largest"]["prediction"]["step_s"] > 0

@@ -1,0 +1,133 @@
+"""`lazytrain plan`'s predictions against the measured lazytrain rows of benchmarks/results/h200.json.
+
+Run: ``python benchmarks/plan_vs_measured.py [--measured benchmarks/results/h200.json]
+[--out benchmarks/results/plan_h200.json] [--extra qwen2.5-7b:80:144 ...]``
+
+For every ``lazytrain`` row (model, GPU cap, batch) of the measured file, and every ``--extra`` point, it forecasts
+the benchmark's setup (`benchmarks/systems.py`: HybridAdamW with 8-bit states, bf16-mixed, the MILP plan, seq
+1024) on the H200 capped as the row was: with the analytic profile always, and with the profile measured on this
+GPU when there is one. It writes the JSON and prints the markdown table docs/plan.md shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lightning_lazytrain.models.adapter import adapter_for  # noqa: E402
+from lightning_lazytrain.schedule.analytic import analytic_profile  # noqa: E402
+from lightning_lazytrain.schedule.forecast import Machine, RunSpec, forecast  # noqa: E402
+from lightning_lazytrain.schedule.gpus import GPUS  # noqa: E402
+from lightning_lazytrain.sft.plan_model import meta_model, model_config  # noqa: E402
+
+GIB = 1 << 30
+SEQ = 1024
+STATE_BYTES = 2.0  # the benchmark's HybridAdamW keeps every large tensor's states in 8 bits
+UPDATE_RATE = 4.99e9  # hybrid_frac1_bf16grad_clip_streamcopy on the H200 host's 16 cores (optim_cpu_16core.json)
+
+
+def _points(measured: dict, extra: list[str]) -> list[tuple[str, float, int, dict | None]]:
+    rows = {}
+    for r in measured.get("runs", []):
+        if r.get("system") == "lazytrain" and r.get("status") == "ok":
+            rows[(r["model"], float(r["gpu_cap_gib"] or 0), int(r["batch"]))] = r
+    for spec in extra:
+        model, cap, batch = spec.split(":")
+        rows.setdefault((model, float(cap), int(batch)), None)
+    return [(m, c, b, r) for (m, c, b), r in sorted(rows.items())]
+
+
+def _forecast(model: str, cap: float, batch: int, measured_profile: bool) -> dict:
+    config, _ = model_config(None, model)
+    run = RunSpec(adapter_for(meta_model(config)), SEQ, optimizer_state_bytes_per_param=STATE_BYTES)
+    gpu = GPUS["h200"] if not cap else replace(GPUS["h200"], memory_bytes=int(cap * GIB))
+    machine = Machine(gpu, 120 * GIB, update_params_per_s=UPDATE_RATE)
+    if measured_profile:
+        from lightning_lazytrain.schedule.device_profile import measured_profile as measure
+
+        profile_for = lambda b: measure(run.adapter, b, SEQ, torch.device("cuda", 0))  # noqa: E731
+    else:
+        profile_for = lambda b: analytic_profile(run.adapter, b, SEQ, gpu)  # noqa: E731
+    f = forecast(run, machine, batch, profile_for)
+    return {
+        "fits": f.fits_gpu,
+        "step_s": f.prediction.step_s if f.prediction else None,
+        "model_tflops": f.model_tflops,
+        "gpu_need_gib": f.report.tiers["gpu"].need / GIB,
+        "plan": f.schedule.counts() if f.schedule else None,
+        "scaling": f.scaling,
+        "notes": f.notes,
+    }
+
+
+def _cell(value, fmt: str) -> str:
+    return "–" if value is None else format(value, fmt)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--measured", default=str(ROOT / "benchmarks/results/h200.json"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/plan_h200.json"))
+    ap.add_argument(
+        "--extra",
+        nargs="*",
+        default=["qwen2.5-7b:80:144", "qwen2.5-3b:80:192"],
+        help="model:cap_gib:batch points without a measured row (issue 16 measured these)",
+    )
+    args = ap.parse_args()
+    measured = json.loads(Path(args.measured).read_text())
+    cuda = torch.cuda.is_available()
+    rows = []
+    for model, cap, batch, m in _points(measured, args.extra):
+        row = {
+            "model": model,
+            "cap_gib": cap,
+            "batch": batch,
+            "measured": None
+            if m is None
+            else {
+                "step_s": m["step_s"],
+                "model_tflops": m["model_tflops"],
+                "gpu_peak_gib": m["gpu_peak_gib"],
+                "plan": m.get("plan"),
+                "commit": m.get("commit"),
+            },
+            "analytic": _forecast(model, cap, batch, False),
+            "measured_profile": _forecast(model, cap, batch, True) if cuda else None,
+        }
+        rows.append(row)
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    out = {"commit": commit, "device": torch.cuda.get_device_name(0) if cuda else "cpu", "rows": rows}
+    tmp = Path(args.out).with_suffix(".tmp")
+    tmp.write_text(json.dumps(out, indent=2))
+    tmp.replace(args.out)
+    print(
+        "| model | cap GiB | batch | measured step s / TFLOPS / GPU GiB | analytic step s / TFLOPS / GPU GiB "
+        "| measured-profile step s / TFLOPS | plan (gpu/cpu/nvme/recompute) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        m, a, p = r["measured"] or {}, r["analytic"], r["measured_profile"] or {}
+        plan = p.get("plan") or a["plan"] or {}
+        print(
+            f"| {r['model']} | {r['cap_gib']:g} | {r['batch']} | {_cell(m.get('step_s'), '.2f')} / "
+            f"{_cell(m.get('model_tflops'), '.1f')} / {_cell(m.get('gpu_peak_gib'), '.1f')} | "
+            f"{_cell(a['step_s'], '.2f')} / {a['model_tflops']:.1f} / {a['gpu_need_gib']:.1f} | "
+            f"{_cell(p.get('step_s'), '.2f')} / {_cell(p.get('model_tflops'), '.1f')} | "
+            f"{'/'.join(str(plan.get(t, 0)) for t in ('gpu', 'cpu', 'nvme', 'recompute'))} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
