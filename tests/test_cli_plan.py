@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_lazytrain.sft.plan_model import model_config
 
@@ -40,6 +41,14 @@ def test_an_unknown_gpu_is_a_usage_error(tmp_path):
     assert proc.returncode == 2 and proc.stdout == ""
     assert "unknown GPU 'tpu-v5': --gpu takes one of h200, h100, a100-80gb, l40s, rtx4090, rtx3090" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU here, the plan is for it (see the gpu test)")
+def test_no_gpu_here_and_none_named_is_a_usage_error(tmp_path):
+    proc = plan(["--config", str(RECIPE_7B)], tmp_path)
+    assert (
+        proc.returncode == 2 and "no CUDA device here: name the GPU to plan for with --gpu (h200, h100" in proc.stderr
+    )
 
 
 def test_json_answer_follows_the_overrides(tmp_path):

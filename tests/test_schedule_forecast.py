@@ -73,6 +73,7 @@ def _meta(config):
 
 def _run(adapter, **kw) -> RunSpec:
     # the recipes' optimizer: HybridAdamW with 2% 8-bit states
+    kw.setdefault("schedule", "milp")
     return RunSpec(adapter, kw.pop("seq", 1024), optimizer_state_bytes_per_param=8.0 - 6.0 * 0.02, **kw)
 
 
@@ -267,3 +268,11 @@ def test_an_interval_plan_is_the_one_the_engine_would_run():
     blocks = f.schedule.blocks()
     assert f.prediction.exposed_s == pytest.approx(sum(sum(prof.forward_seconds[s : e - 1]) for s, e in blocks))
     assert f.report.tiers["gpu"].pieces["weight slots"] == engine.slots_needed(2) * prof.param_bytes[0]
+
+
+def test_the_batch_search_stops_at_its_cap():
+    from lightning_lazytrain.schedule.forecast import MAX_BATCH
+
+    run = _run(_meta(tiny_config("qwen2")), seq=8, schedule="interval:1")
+    best = largest_batch(run, _machine(), _analytic(run))
+    assert best.batch == MAX_BATCH and best.fits_gpu and admits(run, _machine(), MAX_BATCH + 1)

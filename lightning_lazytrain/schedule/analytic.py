@@ -57,6 +57,8 @@ def analytic_profile(
         f"analytic: layer FLOPs / {rate / 1e12:.0f} TFLOP/s ({achieved_fraction:.2f} of {gpu.name}'s "
         f"{gpu.bf16_tflops:g} dense bf16 peak); link PCIe gen{gpu.pcie_gen} x16 at the H200's measured share"
     )
+    if itemsize > 2:
+        scaling += f"; fp32 layers run below the bf16 rate, so these {str(stream_dtype)[6:]} times are too short"
     return Profile(
         forward_seconds=forward,
         activation_bytes=[act] * (adapter.num_layers + 1),
@@ -103,7 +105,8 @@ class GpuLayout:
     """GPU bytes a run holds besides the saved boundaries, for one batch shape.
 
     ``slot_bytes``: one weight slot (the largest layer in the stream dtype). ``resident_bytes``: embeddings, final
-    norm and head, twice (the stream copy and its device buffer, as admission counts them) plus their gradient.
+    norm and head three times: the device copy and its gradient (what admission counts) and the dense gradient
+    the embedding's backward builds before it is accumulated.
     ``workspace_bytes``: one layer's forward-with-grad graph and its backward's transients (per token 8 hidden + 6
     intermediate values in the stream dtype) plus the loss chunk's fp32 logits and their gradient. An analytic
     estimate (the per-layer working set is not profiled yet, issue 16); docs/plan.md compares it with measured

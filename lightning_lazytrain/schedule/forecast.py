@@ -51,7 +51,7 @@ class RunSpec:
     grad_accumulation: bool = False
     world_size: int = 1
     ranks_per_host: int = 1
-    schedule: str = "milp"
+    schedule: str = "interval:1"
     keep_graph_layers: int = 0
     prefetch_depth: int = 2
     gpu_activation_gib: float | None = None
@@ -264,9 +264,10 @@ def largest_batch(
     batch 1 is admitted."""
     if not admits(run, machine, 1):
         return None
-    low, high = 1, 2
+    low, high = 1, 2  # admits(low); high is the first batch known not to be admitted (or past MAX_BATCH)
     while high <= MAX_BATCH and admits(run, machine, high):
         low, high = high, high * 2
+    high = min(high, MAX_BATCH + 1)
     while high - low > 1:
         mid = (low + high) // 2
         low, high = (mid, high) if admits(run, machine, mid) else (low, mid)

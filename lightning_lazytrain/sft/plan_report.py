@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from lightning_lazytrain.schedule.forecast import MAX_BATCH
+
 GIB = float(1 << 30)
 _LETTER = {"gpu": "G", "cpu": "C", "nvme": "N", "recompute": "r"}
 
@@ -32,8 +34,8 @@ def _plan_lines(f: dict) -> list[str]:
     return [
         f"  plan ({how}): boundaries {counts}; graphs kept {sum(s['keep_graph'])}",
         "  homes (G gpu, C cpu, N nvme, r recompute): " + "".join(_LETTER[t] for t in tiers),
-        f"  predicted step {p['step_s']:.2f} s = forward {p['forward_s']:.2f} + backward {p['backward_s']:.2f} + "
-        f"head {p['head_s']:.2f} + exposed {p['exposed_s']:.2f} + update {p['update_s']:.2f}; "
+        f"  predicted step {p['step_s']:.3g} s = forward {p['forward_s']:.3g} + backward {p['backward_s']:.3g} + "
+        f"head {p['head_s']:.3g} + exposed {p['exposed_s']:.3g} + update {p['update_s']:.3g}; "
         f"{f['model_tflops']:.1f} model-TFLOPS",
     ]
 
@@ -61,7 +63,7 @@ def render(answer: dict) -> str:
     elif best is not None:
         line = f"largest batch the GPU takes: {best['batch']}"
         if best["prediction"] is not None:
-            line += f" (predicted {best['prediction']['step_s']:.2f} s/step, {best['model_tflops']:.1f} model-TFLOPS)"
-        out.append(line)
+            line += f" (predicted {best['prediction']['step_s']:.3g} s/step, {best['model_tflops']:.1f} model-TFLOPS)"
+        out.append(line + (" (where the search stops)" if best["batch"] >= MAX_BATCH else ""))
         out += [f"  note: {n}" for n in best["notes"]]
     return "\n".join(out)
