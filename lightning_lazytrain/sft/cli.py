@@ -1,7 +1,8 @@
 """The ``lazytrain`` console script: LightningCLI over `CausalLMModule` and `SFTDataModule`.
 
 ``lazytrain fit --config recipes/demo.yaml`` trains; ``validate``/``test``/``predict`` evaluate; ``--print_config``
-shows the merged config. With a subcommand but no ``--config`` the demo recipe is used, so ``lazytrain fit`` alone
+shows the merged config; ``plan`` says whether the config fits and how fast it steps, loading nothing
+(`plan_command`). With a subcommand but no ``--config`` the demo recipe is used, so ``lazytrain fit`` alone
 runs the CPU demo from a source checkout.
 
 Exit status: 0 when the subcommand finished, 2 for a usage or config error, 1 when training (or evaluation) failed.
@@ -117,7 +118,7 @@ class LazyTrainCLI(LightningCLI):
 
 
 def _with_default_config(args: list[str]) -> list[str]:
-    if args and args[0] in _SUBCOMMANDS and not any(a.startswith("--config") or a == "-c" for a in args):
+    if args and args[0] in (*_SUBCOMMANDS, "plan") and not any(a.startswith("--config") or a == "-c" for a in args):
         if DEMO_RECIPE.is_file():
             return [args[0], "--config", str(DEMO_RECIPE), *args[1:]]
     return args
@@ -169,12 +170,7 @@ def main(args: list[str] | None = None) -> int:
     Returns the exit status: 0 done, 1 the run failed, 2 a usage or config error. The parser's own errors and
     ``--help``/``--print_config`` end the process by ``SystemExit`` with its status (2, or 0).
     """
-    argv = list(sys.argv[1:] if args is None else args)
-    if argv[:1] == ["plan"]:  # no training: the config's shapes against a GPU (sft/plan_command.py)
-        from lightning_lazytrain.sft.plan_command import main as plan
-
-        return plan(argv[1:])
-    argv = _with_default_config(argv)
+    argv = _with_default_config(list(sys.argv[1:] if args is None else args))
     # Read when CUDA's caching allocator starts, so before anything touches the GPU. Near a memory cap the
     # streamed layers' varying working sets fragment fixed segments: Qwen2.5-7B at batch 16 under a 24 GiB cap
     # ran out of memory without it and ran with it (docs/benchmarks.md, P5). A user's own setting wins.
@@ -182,6 +178,10 @@ def main(args: list[str] | None = None) -> int:
     problem = config_problem(argv)
     if problem:
         return _fail(problem)
+    if argv[:1] == ["plan"]:  # no training: the config's shapes against a GPU (sft/plan_command.py)
+        from lightning_lazytrain.sft.plan_command import main as plan
+
+        return plan(argv[1:])
     with warnings.catch_warnings():
         # we pass sys.argv on as `args` (to insert the demo config), which LightningCLI warns about as a mistake
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")

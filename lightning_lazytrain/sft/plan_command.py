@@ -223,7 +223,7 @@ def main(args: list[str]) -> int:
                 args=args,
                 run=False,
                 save_config_callback=None,
-                parser_kwargs={"parser_mode": "omegaconf"},
+                parser_kwargs={"parser_mode": "omegaconf", "prog": "lazytrain plan"},
             )
         answer = _plan(cli)
     except ConfigError as exc:
