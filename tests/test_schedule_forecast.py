@@ -276,3 +276,14 @@ def test_the_batch_search_stops_at_its_cap():
     run = _run(_meta(tiny_config("qwen2")), seq=8, schedule="interval:1")
     best = largest_batch(run, _machine(), _analytic(run))
     assert best.batch == MAX_BATCH and best.fits_gpu and admits(run, _machine(), MAX_BATCH + 1)
+
+
+def test_checkpoints_need_their_disk():
+    run = _run(_meta(Qwen2Config(**QWEN25_7B)), checkpoints_kept=3)
+    machine = replace(_machine(80), checkpoint_free_bytes=200 * GIB)
+    f = forecast(run, machine, 16, _analytic(run))
+    (need,) = f.report.tiers["checkpoint"].pieces.values()
+    assert need == 4 * int(run.trainable_params * (4 + 7.88))  # fp32 masters + states, 3 kept + 1 being saved
+    assert f.fits_gpu and not f.fits and f.report.tiers["checkpoint"].short == need - 200 * GIB
+    bf16 = forecast(replace(run, precision="bf16-true", checkpoints_kept=1), machine, 16, _analytic(run))
+    assert bf16.fits and bf16.report.tiers["checkpoint"].need == 2 * int(run.trainable_params * (2 + 7.88))

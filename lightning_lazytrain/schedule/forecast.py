@@ -20,6 +20,7 @@ from lightning_lazytrain.models.adapter import ModelAdapter
 from .admission import AdmissionReport, admission_report
 from .analytic import analytic_profile, gpu_layout, model_flops_per_step
 from .build import build_problem
+from .disk import checkpoint_tier
 from .gpus import GPUS, GpuSpec
 from .milp import InfeasibleScheduleError, precheck, solve
 from .problem import GIB
@@ -38,6 +39,7 @@ class Machine:
     host_available_bytes: int
     disk_free_bytes: int = 0
     update_params_per_s: float = 4.0e9
+    checkpoint_free_bytes: int = 0
 
 
 @dataclass
@@ -61,6 +63,7 @@ class RunSpec:
     max_recompute_span: int = 4
     solver_time_limit: float = 10.0
     solver_mip_gap: float = 0.01
+    checkpoints_kept: int = 0  # full-state checkpoints the run keeps on disk (Lightning's default callback: 1)
 
     @property
     def stream_dtype(self) -> torch.dtype:
@@ -249,6 +252,11 @@ def forecast(run: RunSpec, machine: Machine, batch: int, profile_for: Callable[[
             gpu_activation_bytes=sizes["gpu"],
         ),
     )
+    if run.checkpoints_kept:
+        state = run.optimizer_state_bytes_per_param
+        report.tiers["checkpoint"] = checkpoint_tier(
+            run.trainable_params, run.precision, state, run.checkpoints_kept, machine.checkpoint_free_bytes
+        )
     share = run.ranks_per_host / run.world_size  # the host's CPU updates this share of the parameters
     prediction = predict_step(profile, schedule, run.trainable_params * share / machine.update_params_per_s)
     config = run.adapter.model.config

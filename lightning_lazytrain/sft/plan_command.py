@@ -18,6 +18,7 @@ import shutil
 import sys
 import warnings
 from dataclasses import replace
+from pathlib import Path
 
 import psutil
 import torch
@@ -95,6 +96,42 @@ def _devices(trainer: dict) -> int:
     return max(1, torch.cuda.device_count())  # "auto" / -1: what Lightning would take here
 
 
+def _model_checkpoints(trainer: dict) -> list[dict]:
+    return [
+        c.get("init_args") or {}
+        for c in trainer.get("callbacks") or []
+        if isinstance(c, dict) and str(c.get("class_path", "")).endswith("ModelCheckpoint")
+    ]
+
+
+def _checkpoints_kept(trainer: dict) -> int:
+    """Checkpoints on disk: each ModelCheckpoint's save_top_k (-1, all, counted as 1), else Lightning's default
+    callback (one) unless checkpointing is off."""
+    callbacks = _model_checkpoints(trainer)
+    if callbacks:
+        return sum(max(1, int(args.get("save_top_k", 1))) for args in callbacks)
+    return 0 if trainer.get("enable_checkpointing") is False else 1
+
+
+def _checkpoint_dir(trainer: dict) -> str:
+    """Where the run's checkpoints go: a ModelCheckpoint's dirpath, else the logger's save_dir, else the root dir."""
+    for args in _model_checkpoints(trainer):
+        if args.get("dirpath"):
+            return str(args["dirpath"])
+    logger = trainer.get("logger")
+    if isinstance(logger, dict) and (logger.get("init_args") or {}).get("save_dir"):
+        return str(logger["init_args"]["save_dir"])
+    return str(trainer.get("default_root_dir") or ".")
+
+
+def _free_bytes(path: str) -> int:
+    """Free space of the filesystem ``path`` is (or will be created) on."""
+    target = Path(path).expanduser().absolute()
+    while not target.exists():
+        target = target.parent
+    return shutil.disk_usage(target).free
+
+
 def _state_bytes(model: dict) -> float:
     """Optimizer state bytes per parameter for the recipe's optimizer."""
     name = str(model.get("optimizer") or "torch.optim.AdamW")
@@ -151,6 +188,7 @@ def _plan(cli: PlanCLI) -> dict:
         "grad_accumulation",
         "world_size",
         "ranks_per_host",
+        "checkpoints_kept",
     }
     run = RunSpec(
         adapter,
@@ -160,6 +198,7 @@ def _plan(cli: PlanCLI) -> dict:
         int(trainer.get("accumulate_grad_batches") or 1) > 1,
         world,
         min(world, _devices(trainer)),
+        checkpoints_kept=_checkpoints_kept(trainer),
         **{k: v for k, v in strategy.items() if k in known},
     )
     try:
@@ -176,10 +215,12 @@ def _plan(cli: PlanCLI) -> dict:
         int(host * GIB) if host is not None else psutil.virtual_memory().available,
         shutil.disk_usage(disk_dir).free if run.spill_dir else 0,
         float(cfg.get("update_gparams_per_s") or UPDATE_GPARAMS_PER_S) * 1e9,
+        _free_bytes(_checkpoint_dir(trainer)),
     )
     batch = int(data.get("batch_size") or 1)
     asked = forecast(run, machine, batch, profile_for)
-    best: Forecast | None = largest_batch(run, machine, profile_for) if cfg.get("max_batch", True) else None
+    search = cfg.get("max_batch", True)
+    best: Forecast | None = largest_batch(run, machine, profile_for) if search else None
     answer = {
         "model": {
             "architecture": type(adapter.model).__name__,
@@ -206,7 +247,8 @@ def _plan(cli: PlanCLI) -> dict:
             "optimizer_state_bytes_per_param": run.optimizer_state_bytes_per_param,
         },
         "asked": asked.to_dict(),
-        "largest": None if best is None else best.to_dict(),
+        "largest": None if best is None else best.to_dict(),  # None: not even batch 1, or not searched
+        "largest_searched": bool(search),
     }
     return answer
 

@@ -5,20 +5,22 @@ from __future__ import annotations
 from lightning_lazytrain.schedule.forecast import MAX_BATCH
 
 GIB = float(1 << 30)
+_TIER_NAMES = {"host": "host RAM", "gpu": "GPU", "disk": "spill disk", "checkpoint": "ckpt disk"}
 _LETTER = {"gpu": "G", "cpu": "C", "nvme": "N", "recompute": "r"}
 
 
 def _tiers(asked: dict) -> list[str]:
-    lines = [f"  {'':<9} {'piece':<36} {'GiB':>9}"]
-    for name, tier in asked["tiers"].items():
+    lines = [f"  {'':<10} {'piece':<42} {'GiB':>9}"]
+    for key, tier in asked["tiers"].items():
+        if not tier["need_bytes"] and not tier["have_bytes"]:
+            continue  # no spill dir: nothing goes to that disk
+        name = _TIER_NAMES.get(key, key)
         for piece, b in tier["pieces"].items():
-            lines.append(f"  {name:<9} {piece:<36} {b / GIB:>9.2f}")
+            lines.append(f"  {name:<10} {piece:<42} {b / GIB:>9.2f}")
         short = tier["need_bytes"] - tier["have_bytes"]
         verdict = f"SHORT by {short / GIB:.2f} GiB" if short > 0 else "ok"
-        lines.append(
-            f"  {name:<9} {'need / have':<36} {tier['need_bytes'] / GIB:>9.2f} / "
-            f"{tier['have_bytes'] / GIB:.2f}  {verdict}"
-        )
+        need, have = tier["need_bytes"] / GIB, tier["have_bytes"] / GIB
+        lines.append(f"  {name:<10} {'need / have':<42} {need:>9.2f} / {have:.2f}  {verdict}")
     return lines
 
 
@@ -56,7 +58,7 @@ def render(answer: dict) -> str:
     ]
     out += _tiers(asked) + _plan_lines(asked) + [f"  note: {n}" for n in asked["notes"]]
     best = answer.get("largest")
-    if best is None and "largest" in answer:
+    if best is None and answer["largest_searched"]:
         out.append("largest batch the GPU takes: none (not even batch 1)")
     elif best is not None and not best["fits_gpu"]:
         out.append(f"largest batch the GPU takes: none found at or below {best['batch']}")
