@@ -138,12 +138,12 @@ def _state_bytes(model: dict) -> float:
     if name.endswith("HybridAdamW"):
         fraction = float((model.get("optimizer_kwargs") or {}).get("eight_bit_fraction", 0.0))
         return 8.0 - 6.0 * fraction  # fp32 m and v, 8-bit ones for the fraction
-    if name.endswith(("SGD",)):
+    if name.endswith("SGD"):
         return 4.0 if (model.get("optimizer_kwargs") or {}).get("momentum") else 0.0
     return 8.0
 
 
-def _machine_and_profiles(cfg: dict, gpu_name: str | None, run: RunSpec):
+def _machine_and_profiles(gpu_name: str | None, run: RunSpec):
     """(GpuSpec to plan for, profile function, words for the source)."""
     here = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     measured_spec = spec_for_device(here) if here else None
@@ -202,7 +202,7 @@ def _plan(cli: PlanCLI) -> dict:
         **{k: v for k, v in strategy.items() if k in known},
     )
     try:
-        spec, profile_for, gpu_words = _machine_and_profiles(cfg, cfg.get("gpu"), run)
+        spec, profile_for, gpu_words = _machine_and_profiles(cfg.get("gpu"), run)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     if cfg.get("gpu_memory_gib") is not None:
