@@ -232,6 +232,7 @@ def _plan(cli: PlanCLI) -> dict:
             "name": spec.name,
             "description": spec.description,
             "memory_bytes": spec.memory_bytes,
+            "bf16_tflops": spec.bf16_tflops,
             "source": gpu_words,
         },
         "host": {

@@ -24,7 +24,7 @@ def _tiers(asked: dict) -> list[str]:
     return lines
 
 
-def _plan_lines(f: dict) -> list[str]:
+def _plan_lines(f: dict, seq: int, world: int, peak_tflops: float) -> list[str]:
     s = f["schedule"]
     if s is None:
         return ["  no plan fits (see the notes)"]
@@ -33,12 +33,14 @@ def _plan_lines(f: dict) -> list[str]:
     solve = s["info"].get("solve_seconds")
     how = f"{s['status']}" + (f" in {solve:.2f} s, gap {s['info'].get('mip_gap', 0):.4f}" if solve is not None else "")
     p = f["prediction"]
+    tokens = f["batch"] * seq * world / p["step_s"]
+    mfu = f", MFU {f['model_tflops'] / peak_tflops:.2f} of the bf16 peak" if peak_tflops else ""
     return [
         f"  plan ({how}): boundaries {counts}; graphs kept {sum(s['keep_graph'])}",
         "  homes (G gpu, C cpu, N nvme, r recompute): " + "".join(_LETTER[t] for t in tiers),
         f"  predicted step {p['step_s']:.3g} s = forward {p['forward_s']:.3g} + backward {p['backward_s']:.3g} + "
         f"head {p['head_s']:.3g} + exposed {p['exposed_s']:.3g} + update {p['update_s']:.3g}; "
-        f"{f['model_tflops']:.1f} model-TFLOPS",
+        f"{f['model_tflops']:.1f} model-TFLOPS per GPU{mfu}, {tokens:,.0f} tokens/s",
     ]
 
 
@@ -56,7 +58,11 @@ def render(answer: dict) -> str:
         f"schedule {r['schedule']}, optimizer states {r['optimizer_state_bytes_per_param']:.2f} B/param",
         f"batch {asked['batch']}: {'fits' if asked['fits'] else 'DOES NOT FIT'}",
     ]
-    out += _tiers(asked) + _plan_lines(asked) + [f"  note: {n}" for n in asked["notes"]]
+    out += (
+        _tiers(asked)
+        + _plan_lines(asked, r["seq"], r["world_size"], g["bf16_tflops"])
+        + [f"  note: {n}" for n in asked["notes"]]
+    )
     best = answer.get("largest")
     if best is None and answer["largest_searched"]:
         out.append("largest batch the GPU takes: none (not even batch 1)")
