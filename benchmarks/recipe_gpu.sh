@@ -4,7 +4,7 @@
 #   bash benchmarks/recipe_gpu.sh OUTDIR
 set -euo pipefail
 out=${1:?output dir}
-python3 -m lightning_lazytrain.sft.cli fit --config recipes/qwen2.5-3b.yaml \
+python3 -m lightning_lazytrain.sft.cli fit --config qwen2.5-3b \
   --model.pretrained null --model.model_config qwen2.5-3b --model.dtype bfloat16 \
   --data.data_path demo --data.packing true --data.batch_size 8 --data.max_eval_samples 16 \
   --model.max_generate_samples 8 --model.max_new_tokens 16 \

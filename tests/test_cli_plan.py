@@ -15,7 +15,7 @@ import torch
 from lightning_lazytrain.sft.plan_model import model_config
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE_7B = ROOT / "recipes" / "qwen2.5-7b.yaml"
+RECIPE_7B = "qwen2.5-7b"  # a shipped recipe, by name
 LAZYTRAIN = Path(sys.executable).with_name("lazytrain")
 
 

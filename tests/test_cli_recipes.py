@@ -1,13 +1,22 @@
 import csv
+import fnmatch
+import json
 import os
+import re
+import subprocess
+import sys
+from importlib.resources import files
 from pathlib import Path
 
 import pytest
 import yaml
 
 from lightning_lazytrain.sft.cli import DEMO_RECIPE, _with_default_config, main
+from lightning_lazytrain.sft.recipes import recipe_names, recipe_path, recipes_dir, resolve_config_args
 
-RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
+ROOT = Path(__file__).resolve().parents[1]
+
+RECIPES = sorted(recipes_dir().glob("*.yaml"))
 GPU_RECIPES = ["qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b", "qwen3-8b", "qwen3.6-27b"]
 STRATEGY = "lazytrain"
 
@@ -53,14 +62,35 @@ def test_missing_config_means_demo():
 @pytest.mark.gpu
 def test_demo_on_gpu_trains_and_generates(tmp_path):
     """Validation generates through the streamed model on the GPU (HF's ``generate`` sees a host-side model)."""
-    main([
-        "fit", "--config", str(DEMO_RECIPE), "--trainer.strategy", STRATEGY, "--trainer.accelerator", "gpu",
-        "--trainer.max_steps", "2",
-        "--trainer.val_check_interval", "2", "--trainer.enable_progress_bar", "false",
-        "--trainer.logger.init_args.save_dir", str(tmp_path), "--data.max_eval_samples", "4",
-        "--data.eval_batch_size", "4", "--model.max_generate_samples", "4", "--model.max_new_tokens", "4",
-        "--cpu_heap_cache", "false",
-    ])
+    main(
+        [
+            "fit",
+            "--config",
+            str(DEMO_RECIPE),
+            "--trainer.strategy",
+            STRATEGY,
+            "--trainer.accelerator",
+            "gpu",
+            "--trainer.max_steps",
+            "2",
+            "--trainer.val_check_interval",
+            "2",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.logger.init_args.save_dir",
+            str(tmp_path),
+            "--data.max_eval_samples",
+            "4",
+            "--data.eval_batch_size",
+            "4",
+            "--model.max_generate_samples",
+            "4",
+            "--model.max_new_tokens",
+            "4",
+            "--cpu_heap_cache",
+            "false",
+        ]
+    )
     (metrics_file,) = tmp_path.rglob("metrics.csv")
     val = [r for r in csv.DictReader(metrics_file.open()) if r.get("val/exact_match")]
     assert len(val) == 1 and 0.0 <= float(val[0]["val/exact_match"]) <= 1.0
@@ -75,3 +105,54 @@ def test_cli_sets_the_allocator_option_unless_the_user_did(monkeypatch, preset, 
     with pytest.raises(SystemExit):
         main(["fit", "--config", str(DEMO_RECIPE), "--print_config"])
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == (preset or "expandable_segments:True")
+
+
+def test_recipes_are_package_data_found_by_name(capsys):
+    """The recipes live in the package (the wheel's package-data glob covers each) and `--config NAME` finds them."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    globs = json.loads(re.search(r"^lightning_lazytrain = (\[.*\])$", pyproject, re.M).group(1))
+    package = Path(str(files("lightning_lazytrain")))
+    names = recipe_names()
+    assert set(names) >= {"demo", *GPU_RECIPES} and not (ROOT / "recipes").exists()  # one copy
+    for name in names:
+        path = recipe_path(name)
+        assert path == recipe_path(name + ".yaml") and path.is_file()
+        assert any(fnmatch.fnmatch(str(path.relative_to(package)), g) for g in globs)
+    assert resolve_config_args(["fit", "--config", "qwen2.5-7b", "-c", "demo", "--config=demo.yaml"]) == [
+        "fit",
+        "--config",
+        str(recipe_path("qwen2.5-7b")),
+        "-c",
+        str(DEMO_RECIPE),
+        f"--config={DEMO_RECIPE}",
+    ]
+    assert resolve_config_args(["fit", "--config", "mine.yaml"]) == ["fit", "--config", "mine.yaml"]
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", "qwen2.5-7b", "--print_config"])
+    assert yaml.safe_load(capsys.readouterr().out)["model"]["pretrained"] == "Qwen/Qwen2.5-7B"
+
+
+def test_a_file_wins_over_the_recipe_of_its_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "demo").write_text("model: {}\n")
+    assert resolve_config_args(["fit", "--config", "demo"]) == ["fit", "--config", "demo"]
+
+
+def test_old_recipe_path_names_the_recipe(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["fit", "--config", "recipes/qwen2.5-7b.yaml"]) == 2
+    assert (
+        "recipes/qwen2.5-7b.yaml: no such file; the shipped recipe 'qwen2.5-7b' is run by name: --config qwen2.5-7b"
+    ) in capsys.readouterr().err
+
+
+def test_lazytrain_recipes_lists_each_with_one_line(tmp_path):
+    lazytrain = Path(sys.executable).with_name("lazytrain")
+    proc = subprocess.run([str(lazytrain), "recipes"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = {line.split()[0]: line for line in proc.stdout.splitlines()[: len(recipe_names())]}
+    assert sorted(lines) == recipe_names()
+    assert "tiny Qwen2-shaped model on the shipped arithmetic word problems, on the CPU." in lines["demo"]
+    assert "Qwen/Qwen2.5-7B: full fine-tuning on MetaMathQA" in lines["qwen2.5-7b"]
+    bad = subprocess.run([str(lazytrain), "recipes", "extra"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "takes no arguments" in bad.stderr

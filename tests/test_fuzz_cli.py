@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 
 from lightning_lazytrain.sft import module as module_mod
 from lightning_lazytrain.sft.cli import DEMO_RECIPE, main
+from lightning_lazytrain.sft.recipes import recipes_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+RECIPES = sorted(recipes_dir().glob("*.yaml"))
 FUZZ = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 

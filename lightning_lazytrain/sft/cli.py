@@ -1,9 +1,10 @@
 """The ``lazytrain`` console script: LightningCLI over `CausalLMModule` and `SFTDataModule`.
 
-``lazytrain fit --config recipes/demo.yaml`` trains; ``validate``/``test``/``predict`` evaluate; ``--print_config``
-shows the merged config; ``plan`` says whether the config fits and how fast it steps, loading nothing
-(`plan_command`). With a subcommand but no ``--config`` the demo recipe is used, so ``lazytrain fit`` alone
-runs the CPU demo from a source checkout.
+``lazytrain fit --config demo`` trains; ``validate``/``test``/``predict`` evaluate; ``--print_config`` shows the
+merged config. ``--config`` takes a file or the name of a shipped recipe (``lazytrain recipes`` lists them); with a
+subcommand but no ``--config`` the demo recipe is used, so ``lazytrain fit`` alone runs the CPU demo. Commands of
+our own beside LightningCLI's are dispatched from `COMMANDS`: ``plan`` says whether the config fits and how fast
+it steps, loading nothing (`plan_command`); ``recipes`` lists the shipped recipes.
 
 Exit status: 0 when the subcommand finished, 2 for a usage or config error, 1 when training (or evaluation) failed.
 Bad input ends the process with a message, not a traceback: unknown keys and wrong types are refused by the config
@@ -14,6 +15,7 @@ datamodule or trainer from the config is reported as a config error, and a bad d
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import traceback
@@ -38,9 +40,16 @@ from lightning_lazytrain.sft.data.settings import check_settings
 from lightning_lazytrain.sft.data.sft import SFTDataModule
 from lightning_lazytrain.sft.module import CausalLMModule
 from lightning_lazytrain.sft.progress import MaxStepsProgressBar
+from lightning_lazytrain.sft.recipes import missing_recipe_hint, recipe_path, resolve_config_args
 
-#: the recipe used when no --config is given (present in a source checkout; recipes/ sits at the repo root)
-DEMO_RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "demo.yaml"
+#: the recipe used when no --config is given
+DEMO_RECIPE = recipe_path("demo")
+#: commands beside LightningCLI's: name -> ("module:function" called with the remaining args and returning the exit
+#: status, whether it reads a --config like fit does); imported only when asked for (plan pulls in the MILP stack)
+COMMANDS = {
+    "plan": ("lightning_lazytrain.sft.plan_command:main", True),
+    "recipes": ("lightning_lazytrain.sft.recipes:main", False),
+}
 _SUBCOMMANDS = ("fit", "validate", "test", "predict")
 # config sections holding a class's arguments; the parser silently skips one that is a number, bool or list
 _GROUPS = ("model", "data", "trainer")
@@ -118,9 +127,9 @@ class LazyTrainCLI(LightningCLI):
 
 
 def _with_default_config(args: list[str]) -> list[str]:
-    if args and args[0] in (*_SUBCOMMANDS, "plan") and not any(a.startswith("--config") or a == "-c" for a in args):
-        if DEMO_RECIPE.is_file():
-            return [args[0], "--config", str(DEMO_RECIPE), *args[1:]]
+    takes_config = (*_SUBCOMMANDS, *(name for name, (_, config) in COMMANDS.items() if config))
+    if args and args[0] in takes_config and not any(a.startswith("--config") or a == "-c" for a in args):
+        return [args[0], "--config", str(DEMO_RECIPE), *args[1:]]
     return args
 
 
@@ -135,6 +144,9 @@ def _config_paths(args: list[str]) -> Iterator[str]:
 def config_problem(args: list[str]) -> str | None:
     """What is wrong with a ``--config`` file that the parser would ignore or report without naming the file."""
     for path in _config_paths(args):
+        hint = missing_recipe_hint(path)
+        if hint:
+            return hint
         try:
             cfg = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, yaml.YAMLError):
@@ -170,7 +182,7 @@ def main(args: list[str] | None = None) -> int:
     Returns the exit status: 0 done, 1 the run failed, 2 a usage or config error. The parser's own errors and
     ``--help``/``--print_config`` end the process by ``SystemExit`` with its status (2, or 0).
     """
-    argv = _with_default_config(list(sys.argv[1:] if args is None else args))
+    argv = _with_default_config(resolve_config_args(list(sys.argv[1:] if args is None else args)))
     # Read when CUDA's caching allocator starts, so before anything touches the GPU. Near a memory cap the
     # streamed layers' varying working sets fragment fixed segments: Qwen2.5-7B at batch 16 under a 24 GiB cap
     # ran out of memory without it and ran with it (docs/benchmarks.md, P5). A user's own setting wins.
@@ -178,10 +190,9 @@ def main(args: list[str] | None = None) -> int:
     problem = config_problem(argv)
     if problem:
         return _fail(problem)
-    if argv[:1] == ["plan"]:  # no training: the config's shapes against a GPU (sft/plan_command.py)
-        from lightning_lazytrain.sft.plan_command import main as plan
-
-        return plan(argv[1:])
+    if argv[:1] and argv[0] in COMMANDS:
+        module, function = COMMANDS[argv[0]][0].split(":")
+        return getattr(importlib.import_module(module), function)(argv[1:])
     with warnings.catch_warnings():
         # we pass sys.argv on as `args` (to insert the demo config), which LightningCLI warns about as a mistake
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")

@@ -1,6 +1,6 @@
 """``lazytrain plan``: will this config fit, and how fast will it step? Answered before any weight is loaded.
 
-It reads the same config and overrides as ``lazytrain fit`` (``--config recipes/qwen2.5-7b.yaml --data.batch_size
+It reads the same config and overrides as ``lazytrain fit`` (``--config qwen2.5-7b --data.batch_size
 64 --trainer.devices 2``), builds the model on the meta device, and runs admission and the activation plan for
 the GPU here (measured profile) or a named one (``--gpu h200``: published figures, analytic times). It prints
 host RAM, GPU memory and disk needed against what is there, the plan, the predicted step time and TFLOPS, and

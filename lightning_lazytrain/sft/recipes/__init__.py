@@ -1,0 +1,81 @@
+"""The shipped recipes: LightningCLI YAML configs inside the package, found by name.
+
+``lazytrain fit --config qwen2.5-7b`` reads ``qwen2.5-7b.yaml`` from this folder, so an install from the wheel
+runs them without the repository; a ``--config`` that names an existing file is that file. ``lazytrain recipes``
+lists them, each with the first paragraph of its leading comment.
+"""
+
+from __future__ import annotations
+
+import sys
+from importlib.resources import files
+from pathlib import Path
+
+SUFFIX = ".yaml"
+
+
+def recipes_dir() -> Path:
+    """The folder of the shipped recipes (a real directory: setuptools installs package data unzipped)."""
+    return Path(str(files(__package__)))
+
+
+def recipe_names() -> list[str]:
+    """The shipped recipes' names, sorted (``demo``, ``qwen2.5-7b``, ...)."""
+    return sorted(p.name.removesuffix(SUFFIX) for p in recipes_dir().iterdir() if p.name.endswith(SUFFIX))
+
+
+def recipe_path(name: str) -> Path | None:
+    """The shipped recipe called ``name`` (with or without ``.yaml``), or None when there is none."""
+    path = recipes_dir() / (name if name.endswith(SUFFIX) else name + SUFFIX)
+    return path if "/" not in name and path.is_file() else None
+
+
+def resolve_config(value: str) -> str:
+    """A ``--config`` value as LightningCLI should read it: an existing file stays, a recipe name becomes its path."""
+    if Path(value).exists():
+        return value
+    path = recipe_path(value)
+    return str(path) if path is not None else value
+
+
+def resolve_config_args(args: list[str]) -> list[str]:
+    """``args`` with every ``--config``/``-c`` value that names a shipped recipe replaced by the recipe's path."""
+    out = list(args)
+    for i, arg in enumerate(out):
+        if arg in ("--config", "-c") and i + 1 < len(out):
+            out[i + 1] = resolve_config(out[i + 1])
+        elif arg.startswith("--config="):
+            out[i] = "--config=" + resolve_config(arg.split("=", 1)[1])
+    return out
+
+
+def missing_recipe_hint(value: str) -> str | None:
+    """For a ``--config`` path that does not exist but whose file name is a shipped recipe, how to name it."""
+    name = Path(value).name.removesuffix(SUFFIX)
+    if Path(value).exists() or recipe_path(name) is None:
+        return None
+    return f"{value}: no such file; the shipped recipe '{name}' is run by name: --config {name}"
+
+
+def summary(name: str) -> str:
+    """The first paragraph of the recipe's leading comment, as one line."""
+    words: list[str] = []
+    for line in (recipes_dir() / (name + SUFFIX)).read_text(encoding="utf-8").splitlines():
+        text = line.removeprefix("#").strip()
+        if not line.startswith("#") or not text:
+            break
+        words.append(text)
+    return " ".join(words)
+
+
+def main(args: list[str]) -> int:
+    """``lazytrain recipes``: one line per shipped recipe; returns the exit status (2 for any argument)."""
+    if args:
+        print(f"lazytrain recipes: error: takes no arguments, got {' '.join(args)}", file=sys.stderr)
+        return 2
+    names = recipe_names()
+    width = max(map(len, names))
+    for name in names:
+        print(f"{name:<{width}}  {summary(name)}")
+    print(f"\nrun one with: lazytrain fit --config NAME  (the files are in {recipes_dir()})")
+    return 0
