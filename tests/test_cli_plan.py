@@ -14,7 +14,6 @@ import torch
 
 from lightning_lazytrain.sft.plan_model import model_config
 
-ROOT = Path(__file__).resolve().parents[1]
 RECIPE_7B = "qwen2.5-7b"  # a shipped recipe, by name
 LAZYTRAIN = Path(sys.executable).with_name("lazytrain")
 
@@ -105,7 +104,7 @@ def test_a_hub_name_with_no_config_anywhere_names_the_fix(tmp_path, monkeypatch)
 
 @pytest.mark.gpu
 def test_plan_with_the_gpu_here_measures_it(tmp_path):
-    recipe = ROOT / "recipes" / "qwen2.5-3b.yaml"
+    recipe = "qwen2.5-3b"  # a shipped recipe, by name
     proc = plan(["--config", str(recipe), "--data.batch_size", "8", "--json", "true"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     answer = json.loads(proc.stdout)
