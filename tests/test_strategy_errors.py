@@ -55,11 +55,6 @@ def test_unsupported_architecture_names_it_and_the_list():
         fit(LMModule(gpt2))
 
 
-def test_dropout_refused():
-    with pytest.raises(UnsupportedModelError, match="attention_dropout"):
-        fit(LMModule(tiny_model("qwen2", attention_dropout=0.1)))
-
-
 def test_fp16_refused():
     # (on the CPU Lightning itself turns "16-mixed" into "bf16-mixed" before a strategy sees it)
     with pytest.raises(ValueError, match="fp16"):

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightning_lazytrain.engine.rng import RngState, capture_rng, restore_rng, rng_fork
 from lightning_lazytrain.engine.weights.binding import bound, leaves_of
 
 if TYPE_CHECKING:
@@ -44,6 +45,8 @@ class StackRun:
     calls: list[LayerCall]
     autocast: tuple[bool, torch.dtype] = (False, torch.bfloat16)
     graphs: dict[int, _Graph] = field(default_factory=dict)
+    # the generators' states before each layer that runs again in the backward (dropout draws the same masks)
+    rng: dict[int, RngState] = field(default_factory=dict)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         enabled, dtype = self.autocast
@@ -80,6 +83,8 @@ class StackRun:
                 self.graphs[j] = _Graph(inputs, out, leaves, slot)
                 x = out.detach()
             else:
+                if training:
+                    self.rng[j] = capture_rng(ex.device)
                 x = self._layer(j, x, slot.views(ex.layer_units[j]))
                 ex.pool.release(slot)
             # queue this layer's compute before possibly blocking on the next layer's optimizer update
@@ -96,6 +101,14 @@ class StackRun:
         return boundary < plan.num_layers and plan.kept(boundary) and not plan.keep_graph[boundary]
 
     def backward(self, grad: torch.Tensor) -> torch.Tensor:
+        with rng_fork(self.executor.device):
+            return self._backward(grad)
+
+    def _rerun(self, j: int, hidden: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+        restore_rng(self.rng[j], self.executor.device)
+        return self._layer(j, hidden, weights)
+
+    def _backward(self, grad: torch.Tensor) -> torch.Tensor:
         ex, plan = self.executor, self.executor.plan
         blocks = list(reversed(plan.blocks()))
         order = [j for s, e in blocks for j in range(s, e)]
@@ -118,17 +131,18 @@ class StackRun:
                 ex.homes.prefetch(starts[k + 1])
             with torch.no_grad(), self._autocast():
                 for j in range(s, e - 1):
-                    inputs.append(self._layer(j, inputs[-1], slots[j - s].views(ex.layer_units[j])))
+                    inputs.append(self._rerun(j, inputs[-1], slots[j - s].views(ex.layer_units[j])))
             for j in reversed(range(s, e)):
                 unit = ex.layer_units[j]
                 with torch.enable_grad(), self._autocast():
                     x = inputs.pop().detach().requires_grad_()
                     leaves = leaves_of(slots[j - s].views(unit), unit)
-                    out = self._layer(j, x, leaves)
+                    out = self._rerun(j, x, leaves)
                 grad = self._backprop(j, out, x, leaves, grad)
                 ex.pool.release(slots[j - s])
                 prefetch(cursor)
         ex.homes.clear()
+        self.rng.clear()
         return grad
 
     def _backprop(self, j: int, out: torch.Tensor, x: torch.Tensor, leaves: list[torch.Tensor], grad: torch.Tensor):

@@ -2,7 +2,7 @@
 
 Every supported family shares the HF layout ``model.model.{embed_tokens, layers, norm, rotary_emb}`` and
 ``model.lm_head``; what differs is which layer kinds exist (``config.layer_types``) and which config knobs
-would change training semantics in ways the streamed executor does not reproduce (dropout, router aux loss).
+would change training semantics in ways the streamed executor does not reproduce (the router aux loss).
 The engine never runs HF's decoder loop itself: it lets the model's own forward build masks, rotary tables and
 position ids (so every transformers version and family gets them exactly right) and intercepts the layers.
 """
@@ -94,12 +94,6 @@ def adapter_for(model: nn.Module) -> ModelAdapter:
             f" Supported architectures: {', '.join(supported_architectures())}."
         )
     config = model.config
-    dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
-    if dropout > 0.0:
-        raise UnsupportedModelError(
-            f"{name} has attention_dropout={dropout}; lazytrain re-runs layer forwards in the backward and does not"
-            " replay dropout masks. Set config.attention_dropout=0.0 (the value all Qwen checkpoints ship with)."
-        )
     if family.moe and getattr(config, "output_router_logits", False):
         raise UnsupportedModelError(
             f"{name} has output_router_logits=True: the router auxiliary loss is not streamed yet."
