@@ -4,10 +4,18 @@ import warnings
 import pytest
 import torch
 
-from lightning_lazytrain.sft.data import DataFormatError, SFTDataModule, read_records, split_indices
+from lightning_lazytrain.sft.data import (
+    IGNORE_INDEX,
+    DataFormatError,
+    SFTCollator,
+    SFTDataModule,
+    pack_examples,
+    read_records,
+    split_indices,
+    tokenize_records,
+)
 from lightning_lazytrain.sft.data.demo_math import DEMO_MATH_PATH, generate_demo_math
 from lightning_lazytrain.sft.data.formats import FieldMap
-from lightning_lazytrain.sft.data.sft import IGNORE_INDEX, SFTCollator, pack_examples, tokenize_records
 from lightning_lazytrain.sft.data.tokenizer import load_tokenizer
 
 
@@ -104,7 +112,7 @@ def test_local_hub_dataset_directory(tmp_path):
 
 
 def test_collate_pads_right_and_generation_prompts_left(tok):
-    from lightning_lazytrain.sft.data.sft import Example
+    from lightning_lazytrain.sft.data import Example
 
     a = Example([1, 2, 3], [IGNORE_INDEX, 2, 3], [1], "x")
     b = Example([4, 5], [IGNORE_INDEX, 5], [4, 9, 9], "y")
@@ -119,7 +127,7 @@ def test_collate_pads_right_and_generation_prompts_left(tok):
 
 
 def test_packing_never_splits_a_sample():
-    from lightning_lazytrain.sft.data.sft import Example
+    from lightning_lazytrain.sft.data import Example
 
     exs = [Example([i] * n, [IGNORE_INDEX] + [i] * (n - 1), [], None) for i, n in enumerate([3, 4, 2, 5])]
     packed = pack_examples(exs, 7)

@@ -10,15 +10,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_lazytrain.sft.data import (
+    IGNORE_INDEX,
     DataError,
     DataFormatError,
     DataPathError,
     DataSettingError,
     EmptyDataError,
+    Record,
     SFTDataModule,
     read_records,
 )
-from lightning_lazytrain.sft.data.sft import IGNORE_INDEX, render
+from lightning_lazytrain.sft.data.template import generation_prompt
 from lightning_lazytrain.sft.data.tokenizer import load_tokenizer
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -187,10 +189,10 @@ def test_bad_paths_are_data_path_errors_that_say_what_to_do(tmp_path):
     with pytest.raises(DataPathError, match="does not exist. Fix data_path") as info:
         read_records(tmp_path / "nope.jsonl")
     assert isinstance(info.value, FileNotFoundError)
-    with pytest.raises(DataPathError, match=r"unsupported data file type '\.csv'.*\.jsonl"):
-        read_records(_write(tmp_path, "d.csv", b"q,r\n"))
+    with pytest.raises(DataPathError, match=r"unsupported data file type '\.txt'.*\.jsonl.*\.parquet"):
+        read_records(_write(tmp_path, "d.txt", b"q,r\n"))
     (tmp_path / "empty_dir").mkdir()
-    with pytest.raises(DataPathError, match="no .json or .jsonl data files"):
+    with pytest.raises(DataPathError, match=r"no data files \(.jsonl, .json, .parquet, .csv\)"):
         read_records(tmp_path / "empty_dir")
 
 
@@ -209,8 +211,8 @@ def _datamodule(tmp_path, tok, rows, **kw):
 def test_long_prompts_are_dropped_and_counted_or_the_set_is_refused(tmp_path, tok, words, max_seq, val):
     rows = [{"query": "word " * n + "end", "response": f"answer {i}"} for i, n in enumerate(words)]
     dm, path = _datamodule(tmp_path, tok, rows, max_seq_length=max_seq, val_fraction=val, max_eval_samples=None)
-    too_long = [len(tok(render(tok, r["query"], r["response"], None)[0], add_special_tokens=False).input_ids)
-                >= max_seq for r in rows]
+    prompts = [generation_prompt(tok, Record.pair(r["query"], r["response"]).chat()) for r in rows]
+    too_long = [len(tok(p, add_special_tokens=False).input_ids) >= max_seq for p in prompts]
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

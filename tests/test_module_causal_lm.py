@@ -4,8 +4,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+from lightning_lazytrain.sft.data import SFTCollator, SFTDataModule, tokenize_records
 from lightning_lazytrain.sft.data.formats import Record
-from lightning_lazytrain.sft.data.sft import SFTCollator, SFTDataModule, tokenize_records
 from lightning_lazytrain.sft.data.tokenizer import load_tokenizer
 from lightning_lazytrain.sft.eval_prompts import new_token_count
 from lightning_lazytrain.sft.module import CausalLMModule, build_model, warmup_cosine
@@ -33,7 +33,7 @@ def test_build_model_needs_exactly_one_source():
 def test_training_loss_is_the_hf_loss(tok):
     torch.manual_seed(0)
     module = CausalLMModule(model_config=TINY)
-    recs = [Record("What is 1 + 1?", "The answer is: 2", "mem", 1)]
+    recs = [Record.pair("What is 1 + 1?", "The answer is: 2", "mem", 1)]
     examples, _ = tokenize_records(tok, recs, 64)
     batch = SFTCollator(tok.pad_token_id)(examples)
     got = module.training_step(batch, 0)
@@ -72,7 +72,7 @@ def test_optimizer_from_class_path_and_decay_groups():
 
 
 def _eval_batch(tok, n=4):
-    recs = [Record(f"What is {i} + 1?", f"{i} + 1 = {i + 1}. The answer is: {i + 1}", "mem", i) for i in range(n)]
+    recs = [Record.pair(f"What is {i} + 1?", f"{i} + 1 = {i + 1}. The answer is: {i + 1}", "mem", i) for i in range(n)]
     examples, _ = tokenize_records(tok, recs, 64)
     return SFTCollator(tok.pad_token_id, generation=True)(examples)
 

@@ -18,7 +18,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from lightning_lazytrain.sft.data.answers import answers_match
-from lightning_lazytrain.sft.data.sft import IGNORE_INDEX
+from lightning_lazytrain.sft.data.examples import IGNORE_INDEX
+from lightning_lazytrain.sft.data.packing import model_inputs
 from lightning_lazytrain.sft.data.tokenizer import end_of_turn_id, load_tokenizer
 from lightning_lazytrain.sft.eval_prompts import EvalPrompts, new_token_count
 
@@ -191,8 +192,7 @@ class CausalLMModule(pl.LightningModule):
         return self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        loss = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                          labels=batch["labels"]).loss
+        loss = self.model(**model_inputs(batch)).loss  # a packed batch passes per-sample positions, not a mask
         self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
         return loss
 
@@ -210,7 +210,7 @@ class CausalLMModule(pl.LightningModule):
 
     def _eval_step(self, batch: dict[str, Any], prefix: str) -> None:
         n = batch["input_ids"].shape[0]
-        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+        out = self.model(**model_inputs(batch))
         self.log(f"{prefix}/loss", out.loss, prog_bar=True, batch_size=n)
         logits = getattr(out, "logits", None)
         streamed_acc = getattr(out, "token_accuracy", None)

@@ -1,6 +1,7 @@
-"""SFT data: tokenizer, record formats, the datamodule, answer extraction, the demo arithmetic set."""
+"""SFT data: sources, row formats, chat templates and loss masks, the tokenized cache, packing, the datamodule."""
 
 from lightning_lazytrain.sft.data.answers import answers_match, extract_answer, normalize_answer
+from lightning_lazytrain.sft.data.collate import SFTCollator
 from lightning_lazytrain.sft.data.errors import (
     DataError,
     DataFormatError,
@@ -8,8 +9,12 @@ from lightning_lazytrain.sft.data.errors import (
     DataSettingError,
     EmptyDataError,
 )
+from lightning_lazytrain.sft.data.examples import IGNORE_INDEX, Example
 from lightning_lazytrain.sft.data.formats import FieldMap, Record, read_records
-from lightning_lazytrain.sft.data.sft import IGNORE_INDEX, Example, SFTCollator, SFTDataModule, split_indices
+from lightning_lazytrain.sft.data.packing import model_inputs, pack_examples
+from lightning_lazytrain.sft.data.sft import SFTDataModule, split_indices
+from lightning_lazytrain.sft.data.sources import DataSource
+from lightning_lazytrain.sft.data.tokenization import tokenize_records
 from lightning_lazytrain.sft.data.tokenizer import load_tokenizer
 
 __all__ = [
@@ -18,6 +23,7 @@ __all__ = [
     "DataFormatError",
     "DataPathError",
     "DataSettingError",
+    "DataSource",
     "EmptyDataError",
     "Example",
     "FieldMap",
@@ -27,7 +33,10 @@ __all__ = [
     "answers_match",
     "extract_answer",
     "load_tokenizer",
+    "model_inputs",
     "normalize_answer",
+    "pack_examples",
     "read_records",
     "split_indices",
+    "tokenize_records",
 ]

@@ -11,7 +11,8 @@ from typing import Any
 
 from lightning_lazytrain.sft.data.demo_math import DEMO_MATH_PATH
 from lightning_lazytrain.sft.data.errors import DataSettingError
-from lightning_lazytrain.sft.data.formats import FieldMap, data_files
+from lightning_lazytrain.sft.data.formats import FieldMap
+from lightning_lazytrain.sft.data.sources import data_files, is_dataset_name
 
 #: ``data_path`` value that selects the shipped demo arithmetic set
 DEMO_DATA = "demo"
@@ -25,6 +26,7 @@ _AT_LEAST: tuple[tuple[str, int, bool, str], ...] = (
     ("max_eval_samples", 0, True, "0 turns validation off, null keeps every held-out sample"),
     ("pad_to_multiple_of", 1, True, "null pads to the longest sample"),
     ("num_workers", 0, False, "0 loads in the main process"),
+    ("num_proc", 1, False, "1 tokenizes in the main process"),
 )
 
 
@@ -52,5 +54,11 @@ def check_settings(settings: Mapping[str, Any], check_path: bool = False) -> Non
                                "Use a number in [0, 1): the held-out share (0.3 = the paper's 70/30 split)")
     if "data_format" in settings:
         FieldMap.for_format(settings["data_format"])
+    turns = settings.get("assistant_turns", "all")
+    if turns not in ("all", "last"):
+        raise DataSettingError("assistant_turns", f"got {turns!r}",
+                               "Use 'all' (train every assistant turn) or 'last' (only the last one)")
     if check_path and "data_path" in settings:
-        data_files(resolve_data_path(str(settings["data_path"])))
+        path = str(settings["data_path"])
+        if path == DEMO_DATA or not is_dataset_name(path):  # a dataset name is checked when it is loaded
+            data_files(resolve_data_path(path), str(settings.get("data_split") or "train"))

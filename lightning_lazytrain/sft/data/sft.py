@@ -1,95 +1,37 @@
-"""Supervised fine-tuning data: chat template, response-only labels, truncation, split, packing, collate."""
+"""`SFTDataModule`: records from a source, tokenized (or read from the cache), split, packed, batched."""
 
 from __future__ import annotations
 
 import random
 import warnings
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import lightning.pytorch as pl
-import torch
-from torch.utils.data import DataLoader, Dataset
+from lightning.pytorch.utilities import rank_zero_info
+from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
-from lightning_lazytrain.sft.data.answers import reference_answer
+from lightning_lazytrain.sft.data.cache import (
+    cache_key,
+    default_cache_dir,
+    load_cached,
+    save_cached,
+    tokenizer_fingerprint,
+)
+from lightning_lazytrain.sft.data.collate import SFTCollator
 from lightning_lazytrain.sft.data.errors import EmptyDataError
+from lightning_lazytrain.sft.data.examples import Example, SFTDataset
 from lightning_lazytrain.sft.data.formats import FieldMap, Record, read_records
+from lightning_lazytrain.sft.data.packing import pack_examples
+from lightning_lazytrain.sft.data.preview import describe_sample
 from lightning_lazytrain.sft.data.sampler import ResumableDataLoader, ResumableRandomSampler
 from lightning_lazytrain.sft.data.settings import DEMO_DATA, check_settings, resolve_data_path
-from lightning_lazytrain.sft.data.tokenizer import load_tokenizer
+from lightning_lazytrain.sft.data.sources import DataSource, fingerprint
+from lightning_lazytrain.sft.data.tokenization import tokenize_records
+from lightning_lazytrain.sft.data.tokenizer import load_model_tokenizer, load_tokenizer
 
-#: label value that cross-entropy ignores (the prompt, padding)
-IGNORE_INDEX = -100
-
-
-@dataclass
-class Example:
-    """One tokenized sample. ``prompt_ids`` (the prompt up to the opened assistant turn) drives generation.
-
-    Token sequences are int32 tensors (lists are accepted too): a 400k-row set as Python int lists would take
-    ~10 GB of host RAM that the offloaded model states need.
-    """
-
-    input_ids: Sequence[int] | torch.Tensor
-    labels: Sequence[int] | torch.Tensor
-    prompt_ids: Sequence[int] | torch.Tensor
-    answer: str | None
-
-
-def _messages(prompt: str, system_prompt: str | None) -> list[dict[str, str]]:
-    head = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    return head + [{"role": "user", "content": prompt}]
-
-
-def render(tok: PreTrainedTokenizerBase, prompt: str, response: str, system_prompt: str | None) -> tuple[str, str]:
-    """(prompt text ending with the opened assistant turn, completion text) as the chat template renders them.
-
-    The completion is whatever the template adds after the prompt, so it includes the end-of-turn token; it is
-    tokenized separately from the prompt so the label boundary sits exactly where generation starts.
-    """
-    msgs = _messages(prompt, system_prompt)
-    prompt_text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    full = tok.apply_chat_template(msgs + [{"role": "assistant", "content": response}], tokenize=False)
-    if full.startswith(prompt_text):
-        return prompt_text, full[len(prompt_text) :]
-    # a template that renders the last assistant turn differently from the generation prompt (e.g. strips a think
-    # block): fall back to prompt + response + end of turn, which is what the model will see when generating
-    return prompt_text, response + "<|im_end|>\n"
-
-
-def tokenize_records(
-    tok: PreTrainedTokenizerBase,
-    records: Sequence[Record],
-    max_seq_length: int,
-    system_prompt: str | None = None,
-    chunk_size: int = 4096,
-) -> tuple[list[Example], int]:
-    """Tokenize with labels only on the completion; returns (examples, number skipped for having no label left).
-
-    Over-long samples are cut at ``max_seq_length`` from the end (the response tail goes first). A sample whose
-    prompt alone fills the budget would train on nothing, so it is dropped and counted instead. Records are
-    tokenized in chunks so the tokenizer's Python lists never hold the whole set at once.
-    """
-    examples: list[Example] = []
-    skipped = 0
-    for start in range(0, len(records), chunk_size):
-        chunk = records[start : start + chunk_size]
-        pairs = [render(tok, r.prompt, r.response, system_prompt) for r in chunk]
-        prompts = tok([p for p, _ in pairs], add_special_tokens=False)["input_ids"]
-        completions = tok([c for _, c in pairs], add_special_tokens=False)["input_ids"]
-        for rec, p_ids, c_ids in zip(chunk, prompts, completions, strict=True):
-            n_prompt = len(p_ids)
-            if n_prompt >= max_seq_length or not c_ids:
-                skipped += 1
-                continue
-            ids = torch.tensor((p_ids + c_ids)[:max_seq_length], dtype=torch.int32)
-            labels = ids.clone()
-            labels[:n_prompt] = IGNORE_INDEX
-            examples.append(Example(ids, labels, ids[:n_prompt], reference_answer(rec.response)))
-    return examples, skipped
+DataFormat = Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text", "metamath", "custom"]
 
 
 def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -104,98 +46,27 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], li
     return order[n_val:], order[:n_val]
 
 
-def pack_examples(examples: Sequence[Example], max_seq_length: int) -> list[Example]:
-    """Greedy in-order packing of whole samples into rows of at most ``max_seq_length`` tokens.
-
-    Samples are never split, so every label keeps its own prompt as context. Attention is not blocked between the
-    samples of a row (plain causal mask), the usual trade for not wasting compute on padding.
-    """
-    packed: list[Example] = []
-    row: list[Example] = []
-    length = 0
-
-    def flush() -> None:
-        ids = torch.cat([torch.as_tensor(e.input_ids, dtype=torch.int32) for e in row])
-        labels = torch.cat([torch.as_tensor(e.labels, dtype=torch.int32) for e in row])
-        packed.append(Example(ids, labels, ids[:0], None))
-
-    for ex in examples:
-        if row and length + len(ex.input_ids) > max_seq_length:
-            flush()
-            row, length = [], 0
-        row.append(ex)
-        length += len(ex.input_ids)
-    if row:
-        flush()
-    return packed
-
-
-class SFTDataset(Dataset):
-    def __init__(self, examples: Sequence[Example]) -> None:
-        self.examples = list(examples)
-
-    def __len__(self) -> int:
-        return len(self.examples)
-
-    def __getitem__(self, i: int) -> Example:
-        return self.examples[i]
-
-
-class SFTCollator:
-    """Right-pads ``input_ids``/``labels`` (with ``attention_mask``); with ``generation`` also left-pads the prompts.
-
-    Left padding for generation keeps every prompt's last token in the last column, so batched greedy decoding
-    appends new tokens right after each prompt.
-    """
-
-    def __init__(self, pad_id: int, generation: bool = False, pad_to_multiple_of: int | None = None) -> None:
-        self.pad_id, self.generation, self.multiple = pad_id, generation, pad_to_multiple_of
-
-    def _width(self, lengths: list[int]) -> int:
-        width = max(lengths)
-        if self.multiple:
-            width = -(-width // self.multiple) * self.multiple
-        return width
-
-    def __call__(self, batch: list[Example]) -> dict[str, object]:
-        width = self._width([len(e.input_ids) for e in batch])
-        ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
-        labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, e in enumerate(batch):
-            n = len(e.input_ids)
-            ids[row, :n] = torch.as_tensor(e.input_ids)
-            labels[row, :n] = torch.as_tensor(e.labels)
-            mask[row, :n] = 1
-        out: dict[str, object] = {"input_ids": ids, "attention_mask": mask, "labels": labels}
-        if self.generation:
-            pwidth = max(len(e.prompt_ids) for e in batch)
-            gen = torch.full((len(batch), pwidth), self.pad_id, dtype=torch.long)
-            gmask = torch.zeros((len(batch), pwidth), dtype=torch.long)
-            for row, e in enumerate(batch):
-                n = len(e.prompt_ids)
-                gen[row, pwidth - n :] = torch.as_tensor(e.prompt_ids)
-                gmask[row, pwidth - n :] = 1
-            out["gen_input_ids"], out["gen_attention_mask"] = gen, gmask
-            out["answers"] = [e.answer or "" for e in batch]
-        return out
-
-
 class SFTDataModule(pl.LightningDataModule):
-    """MetaMathQA-style SFT data for ``CausalLMModule``.
+    """SFT data for ``CausalLMModule``: chat, instruction, completion or plain-text rows (docs/recipes.md).
 
     Args:
-        data_path: a .json/.jsonl file, a local directory holding a hub dataset's data files, or ``"demo"`` for the
-            shipped arithmetic set.
-        tokenizer: model name or local path to take the tokenizer from; ``None`` uses the offline Qwen tokenizer.
-        data_format: ``"metamath"`` (prompt_key/response_key), ``"alpaca"`` (instruction/input/output), ``"custom"``
-            (the keys below), ``"auto"`` (the keys below, alpaca when a row has instruction+output instead).
-        max_seq_length: tokens per sample after the chat template; longer samples lose their tail, and samples whose
-            prompt alone fills it are dropped (counted in ``skipped``, with a warning).
+        data_path: a .jsonl/.json/.parquet/.csv file, a folder of them (a local hub download), a dataset name for
+            ``datasets.load_dataset`` (``data_split``, ``data_revision``, ``data_cache_dir``), or ``"demo"``.
+        tokenizer: tokenizer name or path; ``None`` takes the model's own (``model.pretrained``) when it names one,
+            else the offline Qwen tokenizer.
+        data_format: ``"auto"`` detects it from the first row; or ``"messages"``, ``"sharegpt"``, ``"alpaca"``,
+            ``"prompt_completion"``, ``"text"`` (loss on every token), ``"metamath"``/``"custom"``
+            (``prompt_key``/``response_key``/``input_key``).
+        assistant_turns: ``"all"`` trains every assistant turn of a conversation, ``"last"`` only the last one.
+        max_seq_length: tokens per sample after the chat template; longer samples lose their tail, and samples with
+            no trained token left are dropped (counted in ``skipped``, with a warning).
         val_fraction: held-out share (the paper's 70/30 split is 0.3), split by a seeded shuffle.
         max_samples: keep only this many records (taken from the shuffled order, before the split).
-        packing: pack several training samples per row (validation is never packed: it needs each prompt).
+        packing: pack several training samples per row, each attending only to itself (validation is not packed).
         max_eval_samples: cap on held-out samples the validation loop sees (generation is slow); ``None`` = all.
+        cache_tokenized / cache_dir: keep tokenized sets on disk (default folder: ``$LAZYTRAIN_CACHE`` or
+            ``~/.cache/lightning_lazytrain``), keyed by data, tokenizer, template and settings.
+        num_proc: processes that tokenize a large set. ``show_sample``: log one sample with its loss mask.
 
     Bad arguments raise :class:`DataSettingError` here; bad or missing data raise another :class:`DataError` at
     ``setup``, as does a set with no trainable sample left (or no held-out one when ``val_fraction > 0``).
@@ -205,11 +76,15 @@ class SFTDataModule(pl.LightningDataModule):
         self,
         data_path: str = DEMO_DATA,
         tokenizer: str | None = None,
-        data_format: Literal["auto", "metamath", "alpaca", "custom"] = "auto",
+        data_format: DataFormat = "auto",
         prompt_key: str = "query",
         response_key: str = "response",
         input_key: str | None = None,
         system_prompt: str | None = None,
+        assistant_turns: Literal["all", "last"] = "all",
+        data_split: str = "train",
+        data_revision: str | None = None,
+        data_cache_dir: str | None = None,
         max_seq_length: int = 1024,
         val_fraction: float = 0.3,
         seed: int = 42,
@@ -220,6 +95,10 @@ class SFTDataModule(pl.LightningDataModule):
         packing: bool = False,
         pad_to_multiple_of: int | None = None,
         num_workers: int = 0,
+        num_proc: int = 1,
+        cache_tokenized: bool = True,
+        cache_dir: str | None = None,
+        show_sample: bool = True,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -234,14 +113,59 @@ class SFTDataModule(pl.LightningDataModule):
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
         if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self.hparams.tokenizer)
+            model = self.trainer.lightning_module if self.trainer is not None else None
+            hp: Any = getattr(model, "hparams", {}) if self.hparams.tokenizer is None else {}
+            if hp.get("pretrained"):
+                self._tokenizer = load_model_tokenizer(hp)
+            else:
+                self._tokenizer = load_tokenizer(self.hparams.tokenizer)
         return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tok: PreTrainedTokenizerBase) -> None:
+        self._tokenizer = tok
+
+    def _source(self) -> DataSource:
+        hp = self.hparams
+        return DataSource(self.data_path, hp.data_split, hp.data_revision, hp.data_cache_dir)
+
+    def _tokenize(self, records: list[Record], indices: list[int], keys: dict[str, str]) -> tuple[list[Example], int]:
+        hp = self.hparams
+        picked = [records[i] for i in indices]
+        if not hp.cache_tokenized:
+            return tokenize_records(
+                self.tokenizer, picked, hp.max_seq_length, hp.system_prompt, hp.assistant_turns, hp.num_proc
+            )
+        if not keys:  # once per setup: digesting the data and the tokenizer costs a pass over each
+            keys.update(data=fingerprint(self._source()), tokenizer=tokenizer_fingerprint(self.tokenizer))
+        settings = {
+            name: hp[name]
+            for name in (
+                "data_format",
+                "prompt_key",
+                "response_key",
+                "input_key",
+                "system_prompt",
+                "assistant_turns",
+                "max_seq_length",
+            )
+        }
+        key = cache_key(keys["data"], keys["tokenizer"], settings, indices)
+        folder = Path(hp.cache_dir).expanduser() if hp.cache_dir else default_cache_dir()
+        cached = load_cached(folder, key)
+        if cached is not None:
+            return cached
+        examples, skipped = tokenize_records(
+            self.tokenizer, picked, hp.max_seq_length, hp.system_prompt, hp.assistant_turns, hp.num_proc
+        )
+        save_cached(folder, key, examples, skipped)
+        return examples, skipped
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return  # fit then validate/test in one process: tokenize once
         hp = self.hparams
-        records = read_records(Path(self.data_path), self.fields, hp.data_format)
+        records = read_records(self._source(), self.fields, hp.data_format)
         train_idx, val_idx = split_indices(len(records), hp.val_fraction, hp.seed)
         if hp.max_samples is not None:
             # cap each side in proportion so the split itself does not move when the cap changes
@@ -249,10 +173,9 @@ class SFTDataModule(pl.LightningDataModule):
             train_idx, val_idx = train_idx[: hp.max_samples - n_val], val_idx[:n_val]
         if hp.max_eval_samples is not None:
             val_idx = val_idx[: hp.max_eval_samples]
-        train, skip_t = tokenize_records(self.tokenizer, [records[i] for i in train_idx], hp.max_seq_length,
-                                         hp.system_prompt)
-        val, skip_v = tokenize_records(self.tokenizer, [records[i] for i in val_idx], hp.max_seq_length,
-                                       hp.system_prompt)
+        keys: dict[str, str] = {}
+        train, skip_t = self._tokenize(records, train_idx, keys)
+        val, skip_v = self._tokenize(records, val_idx, keys)
         self.skipped = skip_t + skip_v
         if self.skipped:
             warnings.warn(
@@ -260,25 +183,40 @@ class SFTDataModule(pl.LightningDataModule):
                 f"fills max_seq_length={hp.max_seq_length} (no response token would be trained on)",
                 stacklevel=2,
             )
+        self._check_left(len(records), train_idx, val_idx, train, val)
+        if hp.show_sample:
+            rank_zero_info(describe_sample(self.tokenizer, train[0]))
+        self.train_set = SFTDataset(pack_examples(train, hp.max_seq_length) if hp.packing else train)
+        self.val_set = SFTDataset(val)
+
+    def _check_left(
+        self, n_records: int, train_idx: list[int], val_idx: list[int], train: list[Example], val: list[Example]
+    ) -> None:
+        hp = self.hparams
         if not train_idx:
-            raise EmptyDataError(f"no training sample: max_samples={hp.max_samples} at val_fraction={hp.val_fraction}"
-                                 " leaves none for training", "Raise max_samples or lower val_fraction",
-                                 source=self.data_path)
+            raise EmptyDataError(
+                f"no training sample: max_samples={hp.max_samples} at val_fraction={hp.val_fraction}"
+                " leaves none for training",
+                "Raise max_samples or lower val_fraction",
+                source=self.data_path,
+            )
         if not train:
             raise EmptyDataError(
                 f"no training sample left: all {len(train_idx)} have a prompt that fills max_seq_length="
                 f"{hp.max_seq_length} tokens with the chat template, so no response token would be trained on",
-                "Raise max_seq_length or shorten the prompts", source=self.data_path)
+                "Raise max_seq_length or shorten the prompts",
+                source=self.data_path,
+            )
         if not val and hp.val_fraction > 0 and hp.max_eval_samples != 0:
             if val_idx:
                 why = f"all {len(val_idx)} have a prompt that fills max_seq_length={hp.max_seq_length}"
             else:
-                why = f"val_fraction={hp.val_fraction} of {len(records)} records (max_samples={hp.max_samples}) is none"
-            raise EmptyDataError(f"no held-out sample left: {why}",
-                                 "Raise max_seq_length / max_samples, or set val_fraction=0 to train without "
-                                 "validation", source=self.data_path)
-        self.train_set = SFTDataset(pack_examples(train, hp.max_seq_length) if hp.packing else train)
-        self.val_set = SFTDataset(val)
+                why = f"val_fraction={hp.val_fraction} of {n_records} records (max_samples={hp.max_samples}) is none"
+            raise EmptyDataError(
+                f"no held-out sample left: {why}",
+                "Raise max_seq_length / max_samples, or set val_fraction=0 to train without validation",
+                source=self.data_path,
+            )
 
     def _pad_id(self) -> int:
         pad = self.tokenizer.pad_token_id
@@ -288,13 +226,23 @@ class SFTDataModule(pl.LightningDataModule):
         collate = SFTCollator(self._pad_id(), pad_to_multiple_of=self.hparams.pad_to_multiple_of)
         # same sample order for the same seed; its place mid-epoch is saved in checkpoints, so a resume continues it
         sampler = ResumableRandomSampler(self.train_set, seed=self.hparams.seed)
-        return ResumableDataLoader(self.train_set, batch_size=self.hparams.batch_size, sampler=sampler,
-                                   collate_fn=collate, num_workers=self.hparams.num_workers)
+        return ResumableDataLoader(
+            self.train_set,
+            batch_size=self.hparams.batch_size,
+            sampler=sampler,
+            collate_fn=collate,
+            num_workers=self.hparams.num_workers,
+        )
 
     def _eval_loader(self) -> DataLoader:
         collate = SFTCollator(self._pad_id(), generation=True, pad_to_multiple_of=self.hparams.pad_to_multiple_of)
-        return DataLoader(self.val_set, batch_size=self.hparams.eval_batch_size or self.hparams.batch_size,
-                          shuffle=False, collate_fn=collate, num_workers=self.hparams.num_workers)
+        return DataLoader(
+            self.val_set,
+            batch_size=self.hparams.eval_batch_size or self.hparams.batch_size,
+            shuffle=False,
+            collate_fn=collate,
+            num_workers=self.hparams.num_workers,
+        )
 
     def val_dataloader(self) -> DataLoader:
         return self._eval_loader()

@@ -10,9 +10,14 @@ from __future__ import annotations
 import copy
 import functools
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+from lightning.pytorch.utilities import rank_zero_info
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from lightning_lazytrain.sft.data.errors import DataSettingError
 
 #: names that select the offline Qwen tokenizer instead of a hub/path lookup
 OFFLINE_QWEN_NAMES = ("qwen", "qwen2", "qwen2.5", "qwen3", "builtin:qwen")
@@ -64,6 +69,17 @@ QWEN_CHAT_TEMPLATE = (
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# For a tokenizer without a chat template (a base model's): a system turn, then "User: ..." and "Assistant: ..."
+# lines; an assistant turn ends with the eos token, which is where generation stops.
+PLAIN_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' %}{{- message['content'] + '\\n\\n' }}"
+    "{%- elif message['role'] == 'user' %}{{- 'User: ' + message['content'] + '\\n' }}"
+    "{%- else %}{{- 'Assistant: ' + message['content'] + (eos_token or '') + '\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- 'Assistant: ' }}{%- endif %}"
 )
 
 
@@ -133,12 +149,16 @@ def load_tokenizer(
     name_or_path: str | None = None,
     trust_remote_code: bool = False,
     padding_side: str = "right",
+    revision: str | None = None,
+    cache_dir: str | None = None,
+    local_files_only: bool = False,
 ) -> PreTrainedTokenizerBase:
     """A tokenizer with a pad token and a chat template.
 
     ``None`` or one of :data:`OFFLINE_QWEN_NAMES` gives the offline Qwen2.5/Qwen3 tokenizer, ``"qwen3.6"`` the
     offline Qwen3.5/3.6 one. A local directory is loaded with ``local_files_only`` (never touches the network); any
-    other string is a hub name (the hub cache, or the network).
+    other string is a hub name (the hub cache, or the network; ``revision``/``cache_dir``/``local_files_only``).
+    A tokenizer without a chat template gets :data:`PLAIN_CHAT_TEMPLATE`, said in one log line.
     """
     if name_or_path is None or name_or_path.lower() in OFFLINE_QWEN_NAMES:
         tok: PreTrainedTokenizerBase = copy.deepcopy(_build_offline_qwen("qwen2.5"))
@@ -147,14 +167,32 @@ def load_tokenizer(
     else:
         local = _is_local(name_or_path)
         path = str(Path(name_or_path).expanduser()) if local else name_or_path
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=local)
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision,
+                                            cache_dir=cache_dir, local_files_only=local or local_files_only)
         if tok.pad_token is None:
             # Qwen's own configs set <|endoftext|> as pad; other models may not have one at all
             tok.pad_token = "<|endoftext|>" if "<|endoftext|>" in tok.get_vocab() else tok.eos_token
         if not getattr(tok, "chat_template", None):
-            tok.chat_template = QWEN_CHAT_TEMPLATE
+            rank_zero_info(f"{name_or_path}: the tokenizer has no chat template; using the plain one "
+                           "('User: ...' / 'Assistant: ...<eos>', lightning_lazytrain.sft.data.tokenizer)")
+            tok.chat_template = PLAIN_CHAT_TEMPLATE
     tok.padding_side = padding_side
     return tok
+
+
+def load_model_tokenizer(model_hparams: Mapping[str, Any]) -> PreTrainedTokenizerBase:
+    """The tokenizer (and chat template) of the model that ``model_hparams["pretrained"]`` names, so training and
+    serving see the same prompt; the module's ``revision``/``cache_dir``/``local_files_only``/``trust_remote_code``
+    apply when it has them."""
+    name = str(model_hparams["pretrained"])
+    try:
+        return load_tokenizer(name, bool(model_hparams.get("trust_remote_code", False)),
+                              revision=model_hparams.get("revision"), cache_dir=model_hparams.get("cache_dir"),
+                              local_files_only=bool(model_hparams.get("local_files_only", False)))
+    except (OSError, ValueError) as e:
+        raise DataSettingError("tokenizer", f"the tokenizer of model.pretrained={name!r} cannot be loaded ({e})",
+                               "Set data.tokenizer (e.g. qwen2.5 for the offline Qwen tokenizer), or make the "
+                               "model's tokenizer files available") from e
 
 
 def end_of_turn_id(tok: PreTrainedTokenizerBase) -> int:
