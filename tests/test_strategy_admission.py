@@ -2,8 +2,10 @@
 
 import collections
 
+import lightning.pytorch as pl
 import pytest
-from helpers import LMModule, batches, tiny_model, train
+import torch
+from helpers import LMModule, batches, loader, tiny_model, train
 
 import lightning_lazytrain.memory as memory
 from lightning_lazytrain.schedule import AdmissionError
@@ -16,10 +18,13 @@ def test_lazy_adam_states_that_do_not_fit_are_refused_before_step_one(monkeypatc
     n = sum(p.numel() for p in model.parameters())
     # room for everything but half of AdamW's lazily allocated 8 B/param states
     monkeypatch.setattr(memory.psutil, "virtual_memory", lambda: Mem(available=4 * n + 4 * n))
-    module = LMModule(model)
+    module, start = LMModule(model), {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = pl.Trainer(accelerator="cpu", strategy="lazytrain", max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     with pytest.raises(AdmissionError, match=r"host RAM short by[\s\S]*optimizer states[\s\S]*8-bit optimizer states"):
-        train(model, batches(1), strategy="lazytrain", max_steps=1)
-    assert module.losses == []
+        trainer.fit(module, loader(batches(1)))
+    assert module.losses == [], "no training step may run"
+    assert all(torch.equal(v, start[k]) for k, v in module.model.state_dict().items())
 
 
 def test_report_counts_what_the_run_needs(monkeypatch):
