@@ -30,7 +30,8 @@ Model as implemented (layers j = 0..L-1, layer j reads boundary j and writes j+1
 
 ``predicted_exposed_seconds`` = recompute seconds ``sum R x`` + charged slack seconds (the four slack terms), i.e.
 the objective without tie-breakers. PCIe and disk slack of one window are added, not max'ed: an upper estimate.
-Not modelled: the transient memory of a recompute block's internal activations (the engine's workspace).
+Kept graphs, weight slots and each block's transient memory (rebuilt boundaries, working set) are added by
+``milp_memory.py``; a kept graph's saving ``-rho_j k_j`` is in the objective, not in ``predicted_exposed_seconds``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import pyomo.environ as pyo
 from pyomo.contrib.appsi.base import TerminationCondition
 from pyomo.contrib.appsi.solvers import Highs
 
+from .milp_memory import add_memory, memory_shortfall, plan_gpu_bytes
 from .problem import GIB, ScheduleProblem
 from .schedule import Schedule, Transfer
 
@@ -83,6 +85,14 @@ def precheck(problem: ScheduleProblem) -> None:
             f"GPU activation budget short by {short:.3f} GiB: boundaries 0 and L must stay on the GPU and need "
             f"{ends / GIB:.3f} GiB, budget is {problem.gpu_budget_bytes / GIB:.3f} GiB; raise the gpu budget or "
             f"lower the batch / sequence length")
+    if (short := memory_shortfall(problem)) is not None:
+        raise InfeasibleScheduleError(short)
+    forced = sum(problem.graph_bytes[j] for j in problem.keep_graph_layers) if problem.graph_bytes else 0
+    if ends + forced > problem.gpu_budget_bytes:
+        raise InfeasibleScheduleError(
+            f"GPU activation budget short by {(ends + forced - problem.gpu_budget_bytes) / GIB:.3f} GiB: the graphs "
+            f"of keep_graph_layers {problem.keep_graph_layers} need {forced / GIB:.3f} GiB beside boundaries 0 and "
+            f"L; keep fewer graphs or raise the gpu budget")
     need, _ = min_stored_bytes(problem)
     have = problem.gpu_budget_bytes + problem.cpu_budget_bytes + problem.nvme_budget_bytes
     if need > have:
@@ -105,6 +115,12 @@ def _build(p: ScheduleProblem) -> pyo.ConcreteModel:
     free_h = [max(0.0, secs[w] * p.h2d_bytes_per_s - p_h2d[w]) / GIB for w in wins]
     cap_w = [secs[w] * p.nvme_write_bytes_per_s / GIB for w in wins]
     cap_r = [secs[w] * p.nvme_read_bytes_per_s / GIB for w in wins]
+    # A layer that keeps its graph runs no forward-with-grad in its backward and needs one weight copy, not two.
+    kept = [secs[w] - (p.forward_seconds[w] if w < n else 0.0) for w in wins]
+    kfree_d = [max(0.0, kept[w] * p.d2h_bytes_per_s - g_d2h[w]) / GIB for w in wins]
+    kfree_h = [max(0.0, kept[w] * p.h2d_bytes_per_s - p_h2d[w] / 2) / GIB for w in wins]
+    kcap_w = [kept[w] * p.nvme_write_bytes_per_s / GIB for w in wins]
+    kcap_r = [kept[w] * p.nvme_read_bytes_per_s / GIB for w in wins]
     # Boundaries with zero bytes never need traffic; keep them in the model (they may still be homes) but
     # give them no transfer variables so the LP stays small.
     inner = list(range(1, n))
@@ -143,8 +159,8 @@ def _build(p: ScheduleProblem) -> pyo.ConcreteModel:
     m.home = pyo.Constraint(inner, rule=lambda m, i: m.g[i] + m.c[i] + m.n[i] <= 1)
     m.fout = pyo.Constraint(inner, rule=lambda m, i: qs(m.x[i, e] for e in out_e[i]) == m.g[i] + m.c[i] + m.n[i])
     m.fin = pyo.Constraint(inner, rule=lambda m, i: qs(m.x[s, i] for s in in_s[i]) == m.g[i] + m.c[i] + m.n[i])
+    add_memory(m, p, a, inner, edges)
     if inner:  # a 1-layer model has no interior boundary, hence nothing to budget (precheck covered 0 and L)
-        m.bud_g = pyo.Constraint(expr=qs(a[i] * m.g[i] for i in inner) <= p.gpu_budget_bytes / GIB - a[0] - a[n])
         m.bud_c = pyo.Constraint(expr=qs(a[i] * m.c[i] for i in inner) <= p.cpu_budget_bytes / GIB)
         m.bud_n = pyo.Constraint(expr=qs(a[i] * m.n[i] for i in inner) <= p.nvme_budget_bytes / GIB)
     m.off_c = pyo.Constraint(moving, rule=lambda m, i: qs(m.dc[i, w] for w in off_w[i]) == a[i] * m.c[i])
@@ -155,12 +171,18 @@ def _build(p: ScheduleProblem) -> pyo.ConcreteModel:
     link_idx = [(i, w) for (i, w) in rel_idx if w < n]
     m.link = pyo.Constraint(link_idx, rule=lambda m, i, w: m.hc[i, w] + m.hn[i, w]
                             <= a[i] * qs(m.x[i, e] for e in out_e[i] if e <= w))
+
+    def cap(base: list[float], keep: list[float], w: int):
+        return base[w] + (keep[w] - base[w]) * m.k[w] if w in m.k else base[w]
+
     m.capD = pyo.Constraint(wins, rule=lambda m, w: qs(m.dc[i, w] + m.dn[i, w] for i in by_w_off[w])
-                            <= free_d[w] + m.sD[w])
+                            <= cap(free_d, kfree_d, w) + m.sD[w])
     m.capH = pyo.Constraint(wins, rule=lambda m, w: qs(m.hc[i, w] + m.hn[i, w] for i in by_w_rel[w])
-                            <= free_h[w] + m.sH[w])
-    m.capW = pyo.Constraint(wins, rule=lambda m, w: qs(m.dn[i, w] for i in by_w_off[w]) <= cap_w[w] + m.sW[w])
-    m.capR = pyo.Constraint(wins, rule=lambda m, w: qs(m.hn[i, w] for i in by_w_rel[w]) <= cap_r[w] + m.sR[w])
+                            <= cap(free_h, kfree_h, w) + m.sH[w])
+    m.capW = pyo.Constraint(wins, rule=lambda m, w: qs(m.dn[i, w] for i in by_w_off[w])
+                            <= cap(cap_w, kcap_w, w) + m.sW[w])
+    m.capR = pyo.Constraint(wins, rule=lambda m, w: qs(m.hn[i, w] for i in by_w_rel[w])
+                            <= cap(cap_r, kcap_r, w) + m.sR[w])
 
     m.recompute = pyo.Expression(expr=qs(p.recompute_seconds(s, e) * m.x[s, e] for s, e in edges))
     m.slack = pyo.Expression(expr=qs(
@@ -169,7 +191,8 @@ def _build(p: ScheduleProblem) -> pyo.ConcreteModel:
     m.ties = pyo.Expression(expr=qs(
         p.lambda_materialize * (m.g[i] + m.c[i] + m.n[i]) + p.lambda_cpu * m.c[i] + p.lambda_nvme * m.n[i]
         for i in inner))
-    m.obj = pyo.Objective(expr=m.recompute + m.slack + m.ties, sense=pyo.minimize)
+    m.graph_saving = pyo.Expression(expr=qs(p.forward_seconds[j] * m.k[j] for j in m.k))
+    m.obj = pyo.Objective(expr=m.recompute + m.slack + m.ties - m.graph_saving, sense=pyo.minimize)
     m._edges, m._off, m._rel, m._inner = edges, off_idx, rel_idx, inner
     return m
 
@@ -240,20 +263,28 @@ def _extract(p: ScheduleProblem, m: pyo.ConcreteModel, res, status: str, t_build
     obj = float(res.best_feasible_objective)
     bound = res.best_objective_bound
     gap = 0.0 if bound is None or obj == 0 else max(0.0, (obj - float(bound)) / abs(obj))
+    keep_graph = [j in m.k and _val(m.k[j]) > 0.5 for j in range(n)]
+    graphs = sum(p.graph_bytes[j] for j in range(n) if keep_graph[j]) if p.graph_bytes is not None else 0
     # Re-check the budgets in exact integer bytes: the solver works in GiB floats with a feasibility tolerance.
     for tier, budget in (("gpu", p.gpu_budget_bytes), ("cpu", p.cpu_budget_bytes), ("nvme", p.nvme_budget_bytes)):
         used = sum(b for b, t in zip(p.activation_bytes, tiers, strict=True) if t == tier)
+        used += graphs if tier == "gpu" else 0
         if used > budget:
             raise RuntimeError(f"solver plan puts {used} B on {tier} over its {budget} B budget (round-off); "
                                f"lower the {tier} budget by a few KiB")
-    sched = Schedule(tiers=tiers, objective=obj, status=status, transfers=transfers,
+    gpu_bytes = plan_gpu_bytes(p, tiers, keep_graph)
+    if p.gpu_total_bytes is not None and gpu_bytes > p.gpu_total_bytes:
+        raise RuntimeError(f"solver plan needs {gpu_bytes} B of GPU memory over the {p.gpu_total_bytes} B the "
+                           f"device has for it (round-off); lower gpu_total_bytes by a few KiB")
+    sched = Schedule(tiers=tiers, objective=obj, status=status, transfers=transfers, keep_graph=keep_graph,
                      max_recompute_span=p.max_recompute_span)
     recompute = sum(p.recompute_seconds(s, e) for s, e in sched.blocks())
     slack = _val(m.slack)
     sched.predicted_exposed_seconds = recompute + slack
     sched.info = {"recompute_seconds": recompute, "slack_seconds": slack, "mip_gap": gap,
                   "best_bound": None if bound is None else float(bound), "build_seconds": round(t_build, 4),
-                  "solve_seconds": round(t_total, 4), "num_binaries": len(m._edges) + 3 * len(m._inner)}
+                  "solve_seconds": round(t_total, 4), "num_binaries": len(m._edges) + 3 * len(m._inner) + len(m.k),
+                  "kept_graph_seconds": _val(m.graph_saving), "gpu_bytes": gpu_bytes}
     log.info("schedule solved: %s in %.2f s (gap %.4f), exposed %.4f s, tiers %s", status, t_total, gap,
              sched.predicted_exposed_seconds, sched.counts())
     return sched

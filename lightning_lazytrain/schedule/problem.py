@@ -8,7 +8,7 @@ last). Window ``w`` is layer ``w``'s compute (its forward and its backward toget
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 GIB = float(1 << 30)
 
@@ -53,6 +53,17 @@ class ScheduleProblem:
             boundaries whose block ends at L can only hide there. Default 0: such reloads are fully exposed.
         lambda_materialize / lambda_cpu / lambda_nvme: tie-breakers (seconds per boundary) that prefer fewer
             materialized boundaries, then GPU over CPU over NVMe, when the main objective is tied.
+        graph_bytes: per layer, the GPU bytes its autograd graph holds beyond its input boundary when it keeps its
+            graph from the forward (saves its re-forward in the backward). ``None``: keeping graphs is not offered
+            (except for ``keep_graph_layers``, counted at 0 bytes).
+        working_bytes: per layer, the peak transient GPU bytes of its forward-with-grad and backward beyond its
+            input boundary (MLP intermediates, attention, weight and input gradients). ``None``: not modelled.
+        head_working_bytes: the same for the head window (lm_head chunk + loss, forward and backward).
+        slot_bytes / fixed_slots: one device weight slot, and the slots every plan holds for prefetching; a block
+            (s, e) holds e - s slots at once and a kept graph holds one until its backward.
+        gpu_total_bytes: the device memory the whole plan may use (saved boundaries, kept graphs, slots, the largest
+            block's rebuilt boundaries and working set); ``None``: only ``gpu_budget_bytes`` is checked.
+        keep_graph_layers: layers that must keep their graph (the user's ``keep_graph_layers``).
     """
 
     activation_bytes: list[int]
@@ -72,6 +83,13 @@ class ScheduleProblem:
     lambda_materialize: float = 1e-7
     lambda_cpu: float = 1e-8
     lambda_nvme: float = 1e-7
+    graph_bytes: list[int] | None = None
+    working_bytes: list[int] | None = None
+    head_working_bytes: int = 0
+    slot_bytes: int = 0
+    fixed_slots: int = 0
+    gpu_total_bytes: int | None = None
+    keep_graph_layers: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not isinstance(self.activation_bytes, (list, tuple)) or len(self.activation_bytes) < 2:
@@ -90,6 +108,18 @@ class ScheduleProblem:
         span = self.max_recompute_span
         if isinstance(span, bool) or not isinstance(span, int) or span < 1:
             raise ValueError(f"ScheduleProblem.max_recompute_span must be an int >= 1, got {span!r}")
+        for name in ("graph_bytes", "working_bytes"):
+            if getattr(self, name) is not None:
+                _check_list(name, getattr(self, name), n, integral=True)
+                setattr(self, name, [int(v) for v in getattr(self, name)])
+        for name in ("head_working_bytes", "slot_bytes", "fixed_slots"):
+            _check_scalar(name, getattr(self, name), positive=False)
+        if self.gpu_total_bytes is not None:
+            _check_scalar("gpu_total_bytes", self.gpu_total_bytes, positive=False)
+        bad = [j for j in self.keep_graph_layers if not (isinstance(j, int) and 0 <= j < n)]
+        if bad:
+            raise ValueError(f"ScheduleProblem.keep_graph_layers has layers outside 0..{n - 1}: {bad}")
+        self.keep_graph_layers = sorted(set(self.keep_graph_layers))
         # Normalise to plain Python lists of the right type so JSON and the solver see one representation.
         self.activation_bytes = [int(v) for v in self.activation_bytes]
         self.param_h2d_bytes = [int(v) for v in self.param_h2d_bytes]
@@ -104,6 +134,15 @@ class ScheduleProblem:
     def recompute_seconds(self, s: int, e: int) -> float:
         """R(s, e): re-forward time of block (s, e); its last layer runs with grad anyway, so it is free."""
         return float(sum(self.forward_seconds[s : e - 1]))
+
+    def block_peak_bytes(self, s: int, e: int) -> int:
+        """GPU bytes block (s, e)'s backward adds at its peak: its weight slots, its rebuilt boundaries s+1..e-1
+        and the largest working set among its layers."""
+        work = max(self.working_bytes[s:e]) if self.working_bytes is not None else 0
+        return (e - s) * self.slot_bytes + sum(self.activation_bytes[s + 1 : e]) + work
+
+    def may_keep_graph(self, j: int) -> bool:
+        return self.graph_bytes is not None or j in self.keep_graph_layers
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -1,0 +1,80 @@
+"""The GPU-memory side of the placement MILP: kept graphs, weight slots and the per-layer working set.
+
+Per layer j a binary ``k_j`` (offered where ``ScheduleProblem.may_keep_graph(j)``): layer j keeps its autograd graph
+from the forward, so its backward runs without a re-forward. It needs block (j, j+1) (``k_j <= x(j, j+1)``) and its
+input boundary on the GPU (the graph holds it: ``k_j <= g_j``); it holds ``graph_bytes[j]`` and one weight slot
+until its backward; it saves ``forward_seconds[j]`` of compute (objective ``- rho_j k_j``) and shrinks window j by
+that time and by one of the two weight copies of ``param_h2d_bytes[j]`` (the capacity terms of ``milp.py``).
+
+GPU bytes, two rows:
+
+* ``A_0 + A_L + sum A_i g_i + sum G_j k_j <= gpu_budget_bytes`` (what the user's activation budget caps);
+* with ``gpu_total_bytes``: that sum ``+ sum slot k_j + fixed_slots * slot + peak <= gpu_total_bytes``, where
+  ``peak >= block_peak_bytes(s, e) * x(s, e)`` for every edge and ``peak >= head_working_bytes``: the largest
+  block's slots, rebuilt boundaries and working set (the engine sizes its slot pool by the largest block too).
+  Every kept graph and saved boundary is counted for the whole step, an upper estimate: a graph is freed when its
+  backward ran, before lower blocks reach their peak.
+"""
+
+from __future__ import annotations
+
+import pyomo.environ as pyo
+
+from .problem import GIB, ScheduleProblem
+
+
+def add_memory(
+    m: pyo.ConcreteModel, p: ScheduleProblem, a: list[float], inner: list[int], edges: list[tuple[int, int]]
+) -> None:
+    """Add ``m.k`` and the GPU budget rows to the model ``m`` (``a``: boundary GiB)."""
+    n, qs = p.num_layers, pyo.quicksum
+    keep = [j for j in range(n) if p.may_keep_graph(j)]
+    graph = [(p.graph_bytes[j] if p.graph_bytes is not None else 0) / GIB for j in range(n)]
+    slot = p.slot_bytes / GIB
+    m.k = pyo.Var(keep, domain=pyo.Binary)
+    m.k_edge = pyo.Constraint(keep, rule=lambda m, j: m.k[j] <= m.x[j, j + 1])
+    m.k_gpu = pyo.Constraint([j for j in keep if j in inner], rule=lambda m, j: m.k[j] <= m.g[j])
+    m.k_forced = pyo.Constraint(p.keep_graph_layers, rule=lambda m, j: m.k[j] == 1)
+    saved = qs(a[i] * m.g[i] for i in inner) + qs(graph[j] * m.k[j] for j in keep)
+    if inner or keep:
+        m.bud_g = pyo.Constraint(expr=saved <= p.gpu_budget_bytes / GIB - a[0] - a[n])
+    if p.gpu_total_bytes is None:
+        return
+    m.peak = pyo.Var(domain=pyo.NonNegativeReals, bounds=(p.head_working_bytes / GIB, None))
+    m.peak_edge = pyo.Constraint(edges, rule=lambda m, s, e: m.peak >= p.block_peak_bytes(s, e) / GIB * m.x[s, e])
+    m.bud_total = pyo.Constraint(
+        expr=a[0] + a[n] + saved + qs(slot * m.k[j] for j in keep) + p.fixed_slots * slot + m.peak
+        <= p.gpu_total_bytes / GIB
+    )
+
+
+def plan_gpu_bytes(p: ScheduleProblem, tiers: list[str], keep_graph: list[bool]) -> int:
+    """The GPU bytes the rows above charge a plan (boundaries, graphs, slots, largest block's peak)."""
+    saved = [i for i, t in enumerate(tiers) if t != "recompute"]
+    graphs = sum(
+        (p.graph_bytes[j] if p.graph_bytes is not None else 0) + p.slot_bytes for j, k in enumerate(keep_graph) if k
+    )
+    peak = max([p.head_working_bytes] + [p.block_peak_bytes(s, e) for s, e in zip(saved[:-1], saved[1:])])
+    gpu = sum(b for b, t in zip(p.activation_bytes, tiers, strict=True) if t == "gpu")
+    return gpu + graphs + p.fixed_slots * p.slot_bytes + peak
+
+
+def memory_shortfall(p: ScheduleProblem) -> str | None:
+    """Why no plan can fit the device memory, or None: the ends, the forced graphs, the prefetch slots and the
+    largest single layer's working set must fit ``gpu_total_bytes`` whatever the plan."""
+    if p.gpu_total_bytes is None:
+        return None
+    a, n = p.activation_bytes, p.num_layers
+    forced = sum((p.graph_bytes[j] if p.graph_bytes is not None else 0) + p.slot_bytes for j in p.keep_graph_layers)
+    work = max([p.head_working_bytes] + [p.block_peak_bytes(j, j + 1) for j in range(n)])
+    need = a[0] + a[n] + forced + p.fixed_slots * p.slot_bytes + work
+    if need <= p.gpu_total_bytes:
+        return None
+    return (
+        f"GPU memory short by {(need - p.gpu_total_bytes) / GIB:.3f} GiB: the smallest plan needs "
+        f"{need / GIB:.3f} GiB (boundaries 0 and L {(a[0] + a[n]) / GIB:.3f}, {len(p.keep_graph_layers)} forced "
+        f"kept graphs {forced / GIB:.3f}, {p.fixed_slots} prefetch slots "
+        f"{p.fixed_slots * p.slot_bytes / GIB:.3f}, the largest layer's working set and slot {work / GIB:.3f}) "
+        f"and the device has {p.gpu_total_bytes / GIB:.3f} GiB for the plan; lower the batch / sequence length, "
+        f"keep fewer graphs (keep_graph_layers) or lower prefetch_depth"
+    )
