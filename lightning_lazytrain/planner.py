@@ -56,6 +56,10 @@ def initial_plan(settings: PlanSettings, num_layers: int) -> StackPlan:
             raise ValueError(f"schedule={settings.schedule!r}: the interval must be >= 1")
         return StackPlan.every(num_layers, k, settings.keep_graph_layers)
     if kind == "json":
+        if settings.keep_graph_layers:
+            raise ValueError(f"keep_graph_layers={settings.keep_graph_layers} does not apply to the plan file "
+                             f"{settings.schedule}: its 'keep_graph' list says which layers keep their graph; set it "
+                             "there, or drop keep_graph_layers")
         with open(settings.schedule) as f:
             schedule = Schedule.from_json(f.read())
         if schedule.num_layers != num_layers:
@@ -75,20 +79,40 @@ def solve_plan(settings: PlanSettings, executor: StreamingExecutor, batch: int, 
         profile = profile_model(executor.adapter, batch, seq, executor.device, executor.store.stream_dtype,
                                 spill_dir=settings.spill_dir)
     gpu, cpu, nvme = budgets(settings, executor)
-    problem = build_problem(profile, gpu, cpu, nvme, max_recompute_span=settings.max_recompute_span)
+    n, forced = executor.adapter.num_layers, settings.keep_graph_layers
+    if forced > n:
+        raise ValueError(f"keep_graph_layers={forced} is more than the model's {n} layers")
+    slot_bytes = executor.slot_numel * executor.store.stream_dtype.itemsize
+    total = gpu_total_bytes(executor)
+    # the head's working set: a logits chunk, its gradient and softmax, the hidden state and its gradient
+    head = 3 * executor.loss_chunk_bytes + 2 * profile.activation_bytes[-1]
+    problem = build_problem(profile, gpu if total is None else min(gpu, total), cpu, nvme,
+                            max_recompute_span=settings.max_recompute_span,
+                            keep_graph_layers=list(range(n - forced, n)), gpu_total_bytes=total, slot_bytes=slot_bytes, fixed_slots=max(1, executor.prefetch_depth),
+                            head_working_bytes=head)
     schedule = solve(problem, time_limit=settings.solver_time_limit, mip_gap=settings.solver_mip_gap)
     log.info("lazytrain plan: %s, predicted exposed %.3f s", schedule.counts(), schedule.predicted_exposed_seconds)
     return schedule
 
 
+def gpu_total_bytes(executor: StreamingExecutor, margin: float = 0.95) -> int | None:
+    """Device bytes the whole plan may use (its slots, saved boundaries, graphs and working set): what is free now
+    plus the slot pool it replaces, less what device-side updates hold; a 5% margin for allocator rounding and
+    fragmentation. ``None`` off CUDA, where no device memory limits the plan."""
+    if executor.device.type != "cuda":
+        return None
+    pool = len(executor.pool.slots) * executor.slot_numel * executor.store.stream_dtype.itemsize
+    return int(max(0, device_free_bytes(executor.device) + pool - executor.device_update_reserve_bytes) * margin)
+
+
 def budgets(settings: PlanSettings, executor: StreamingExecutor) -> tuple[int, int, int]:
-    """Activation budgets in bytes: what the user set, else half the free device memory left after the weight
-    slots and what device-side updates hold (the other half is the working set of the layer being run), a quarter
-    of the available host RAM, and 80% of the spill dir's free space."""
+    """Activation budgets in bytes: what the user set, else the device memory the plan may use (the MILP takes the
+    slots and working set out of it, `gpu_total_bytes`), a quarter of the available host RAM, and 80% of the spill
+    dir's free space."""
     if settings.gpu_activation_gib is not None:
         gpu = int(settings.gpu_activation_gib * GIB)
     elif executor.device.type == "cuda":
-        gpu = int(max(0, device_free_bytes(executor.device) - executor.device_update_reserve_bytes) * 0.5)
+        gpu = gpu_total_bytes(executor) or 0
     else:
         gpu = int(psutil.virtual_memory().available * 0.25)
     cpu = int(settings.cpu_activation_gib * GIB) if settings.cpu_activation_gib is not None else int(

@@ -19,7 +19,7 @@ from lightning_lazytrain.engine.weights.pinned import PinnedAllocator
 from lightning_lazytrain.engine.weights.store import HostParamStore
 from lightning_lazytrain.faults import PinnedMemoryError, ResourceError, SpillError, human_bytes
 from lightning_lazytrain.schedule import Schedule
-from lightning_lazytrain.schedule import profile as profile_mod
+from lightning_lazytrain.schedule import spill_probe as disk_mod
 from lightning_lazytrain.schedule.profile import measure_disk
 
 FS_BYTES = 256 * 1024
@@ -162,7 +162,7 @@ def test_disk_speed_probe_on_a_failing_disk_is_a_spill_error(tmp_path, monkeypat
     def full(fd, data):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(profile_mod.os, "write", full)
+    monkeypatch.setattr(disk_mod.os, "write", full)
     with pytest.raises(SpillError, match=f"spill_dir '{tmp_path}': is full writing the disk-speed probe"):
         measure_disk(str(tmp_path), 1 << 20)
     assert os.listdir(tmp_path) == []

@@ -17,6 +17,10 @@ the forward and again for the backward; a recompute block's no-grad re-forward r
 ``grad_d2h_bytes[w] = param_bytes[w]`` (the gradient goes back in the stream dtype, bf16 under bf16-mixed),
 or ``n_params * grad_bytes_per_param`` when that is given.
 
+GPU memory: the profile's per-layer graph and working-set bytes go to the problem (``keep_graphs=False`` offers no
+kept graphs); ``gpu_total_bytes``, ``slot_bytes``, ``fixed_slots`` and ``head_working_bytes`` are the device's side,
+which the caller knows (`lightning_lazytrain.planner`).
+
 Link: forward offloads run beside weight prefetches and backward reloads beside gradient copies, so both
 directions are busy together. With ``duplex=True`` (default) each direction gets
 ``min(one-way, both-at-once / 2)``; with ``duplex=False`` the one-way figures.
@@ -32,7 +36,9 @@ _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 
 def build_problem(profile: Profile, gpu_budget_bytes: int, cpu_budget_bytes: int, nvme_budget_bytes: int,
                   max_recompute_span: int = 4, backward_factor: float = 2.0, *, reforward: bool = True,
-                  duplex: bool = True, grad_bytes_per_param: int | None = None) -> ScheduleProblem:
+                  duplex: bool = True, grad_bytes_per_param: int | None = None, keep_graphs: bool = True,
+                  keep_graph_layers: list[int] | None = None, gpu_total_bytes: int | None = None,
+                  slot_bytes: int = 0, fixed_slots: int = 0, head_working_bytes: int = 0) -> ScheduleProblem:
     """The placement problem for ``profile`` under the given activation budgets (bytes per home).
 
     ``window_seconds[w] = (1 + backward_factor + reforward) * forward_seconds[w]``; ``param_h2d_bytes[w] =
@@ -61,4 +67,11 @@ def build_problem(profile: Profile, gpu_budget_bytes: int, cpu_budget_bytes: int
         nvme_write_bytes_per_s=float(profile.nvme_write_bytes_per_s),
         max_recompute_span=int(max_recompute_span),
         head_seconds=float(profile.head_seconds),
+        graph_bytes=list(profile.graph_bytes) if keep_graphs else None,
+        working_bytes=list(profile.working_bytes),
+        head_working_bytes=int(head_working_bytes),
+        slot_bytes=int(slot_bytes),
+        fixed_slots=int(fixed_slots),
+        gpu_total_bytes=gpu_total_bytes,
+        keep_graph_layers=list(keep_graph_layers or []),
     )

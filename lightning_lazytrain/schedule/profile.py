@@ -14,26 +14,27 @@ import hashlib
 import json
 import os
 import platform
-import shutil
 import socket
-import tempfile
-import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
 
 from lightning_lazytrain.engine.link import measure_link_cuda
-from lightning_lazytrain.faults import spill_write_failed
 from lightning_lazytrain.models.adapter import ModelAdapter
 
-PROFILE_VERSION = 1
+from .spill_probe import measure_disk
+from .layer_memory import analytic_layer_memory, measure_layer_memory
+from .timing import rotary_inputs, time_cuda
+
+PROFILE_VERSION = 2
 ANALYTIC_FLOPS = 1e11  # FLOP/s assumed for analytic compute estimates (no CUDA device to measure on)
 # REFERENCE.md, H200 benchmark machine: pinned PCIe per direction / both at once (total), disk write / read.
 H200_H2D, H200_D2H, H200_DUPLEX = 55.5e9, 55.3e9, 101e9
 DISK_WRITE, DISK_READ = 0.51e9, 1.28e9
 NVME_PROBE_BYTES_GPU, NVME_PROBE_BYTES_CPU = 256 << 20, 16 << 20
-SOURCE_KEYS = ("forward_seconds", "head_seconds", "h2d", "d2h", "duplex", "nvme_read", "nvme_write")
+SOURCE_KEYS = ("forward_seconds", "head_seconds", "h2d", "d2h", "duplex", "nvme_read", "nvme_write", "working_set")
+__all__ = ["Profile", "cache_key", "cache_path", "measure_disk", "profile_model"]
 
 
 @dataclass
@@ -44,7 +45,9 @@ class Profile:
     batch * seq * hidden * itemsize. param_bytes[j]: layer j's streamed parameter bytes (numel * itemsize of the
     stream dtype). head_seconds: final norm + lm_head + loss, forward and backward. Bandwidths in bytes/s:
     h2d / d2h one direction alone, duplex_bytes_per_s the total of both directions running at once.
-    sources[k] for k in SOURCE_KEYS: "measured" or "analytic".
+    graph_bytes[j] / working_bytes[j]: GPU bytes layer j's kept graph holds and the peak of its forward-with-grad
+    and backward, both beyond its input boundary (`layer_memory.py`). sources[k] for k in SOURCE_KEYS: "measured"
+    or "analytic".
     """
 
     forward_seconds: list[float]
@@ -62,6 +65,8 @@ class Profile:
     seq: int = 0
     dtype: str = ""
     layer_types: list[str] = field(default_factory=list)
+    graph_bytes: list[int] = field(default_factory=list)
+    working_bytes: list[int] = field(default_factory=list)
     info: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -72,6 +77,11 @@ class Profile:
         self.forward_seconds = [float(v) for v in self.forward_seconds]
         self.activation_bytes = [int(v) for v in self.activation_bytes]
         self.param_bytes = [int(v) for v in self.param_bytes]
+        if len(self.graph_bytes) != n or len(self.working_bytes) != n:
+            raise ValueError(f"Profile needs L={n} graph_bytes and working_bytes, got {len(self.graph_bytes)}, "
+                             f"{len(self.working_bytes)}")
+        self.graph_bytes = [int(v) for v in self.graph_bytes]
+        self.working_bytes = [int(v) for v in self.working_bytes]
         for name in ("h2d_bytes_per_s", "d2h_bytes_per_s", "duplex_bytes_per_s", "nvme_read_bytes_per_s",
                      "nvme_write_bytes_per_s"):
             if not float(getattr(self, name)) > 0:
@@ -129,59 +139,29 @@ def _attention_flops(config, layer_type: str, batch: int, seq: int) -> float:
     return 4.0 * batch * seq * seq * config.num_attention_heads * head_dim * 0.5
 
 
-def _rotary_inputs(rotary: torch.nn.Module, h: torch.Tensor, batch: int, seq: int):
-    pos = torch.arange(seq, device=h.device).unsqueeze(0).expand(batch, -1)
-    try:
-        return pos, rotary(h, pos)
-    except Exception:  # multimodal RoPE (Qwen3.5 in transformers 5.17) wants 3 rows of position ids
-        pos3 = pos.unsqueeze(0).expand(3, -1, -1)
-        return pos3, rotary(h, pos3)
-
-
-def _time_cuda(fn, device: torch.device, warm: int = 2, reps: int = 3) -> float:
-    """Seconds per call of ``fn``: events around ``reps`` back-to-back calls, no synchronize inside the loop."""
-    for _ in range(warm):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    stream = torch.cuda.current_stream(device)
-    start.record(stream)
-    for _ in range(reps):
-        fn()
-    end.record(stream)
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / reps
-
-
-def _time_wall(fn, device: torch.device, warm: int = 1, reps: int = 2) -> float:
-    """Wall-clock stand-in for `_time_cuda` (CPU runs of the measuring code in tests)."""
-    for _ in range(warm):
-        fn()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - t0) / reps
-
-
 def _measure_layers(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, dtype,
-                    timer=_time_cuda) -> dict[int, float]:
-    """Seconds of one no-grad forward per layer index: one copy of one layer per group, timed with ``timer``."""
+                    timer=time_cuda) -> dict[int, tuple[float, int, int]]:
+    """Per layer index: seconds of one no-grad forward (timed with ``timer``) and, on CUDA, the graph and peak
+    working bytes of a forward-with-grad + backward (0, 0 elsewhere); one copy of one layer per group."""
     hidden = adapter.model.config.hidden_size
     rotary = copy.deepcopy(adapter.rotary).to(device)
     gen = torch.Generator(device=device).manual_seed(0)
     h = torch.randn(batch, seq, hidden, device=device, dtype=dtype, generator=gen)
-    pos, pe = _rotary_inputs(rotary, h, batch, seq)
-    out: dict[int, float] = {}
+    pos, pe = rotary_inputs(rotary, h, batch, seq)
+    kwargs = {"attention_mask": None, "position_ids": pos, "position_embeddings": pe}
+    out: dict[int, tuple[float, int, int]] = {}
     for (_, _), members in _layer_groups(adapter).items():
         layer = copy.deepcopy(adapter.layers[members[0]]).to(device=device, dtype=dtype).eval()
         with torch.no_grad():
-            secs = timer(lambda layer=layer: layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe),
-                         device)
+            secs = timer(lambda layer=layer: layer(h, **kwargs), device)
+        graph, peak = measure_layer_memory(layer, h, kwargs) if device.type == "cuda" else (0, 0)
+        del layer
         for j in members:
-            out[j] = secs
+            out[j] = (secs, graph, peak)
     return out
 
 
-def _measure_head(adapter: ModelAdapter, tokens: int, device: torch.device, dtype, timer=_time_cuda) -> float:
+def _measure_head(adapter: ModelAdapter, tokens: int, device: torch.device, dtype, timer=time_cuda) -> float:
     """lm_head + cross-entropy forward and backward on a chunk of <= 4096 tokens, scaled to ``tokens``."""
     head = adapter.lm_head.weight
     chunk = min(tokens, 4096)
@@ -196,48 +176,6 @@ def _measure_head(adapter: ModelAdapter, tokens: int, device: torch.device, dtyp
     return timer(step, device) * tokens / chunk
 
 
-def measure_disk(spill_dir: str, nbytes: int) -> tuple[float, float]:
-    """(read, write) bytes/s of a temp file in ``spill_dir``: write + fsync, drop it from the page cache, read.
-
-    The file is removed before returning, also on error; a full or failing disk raises a ``SpillError``.
-    """
-    os.makedirs(spill_dir, exist_ok=True)
-    # a speed probe must not be what fills a small spill disk: a quarter of its free space at most
-    nbytes = max(1, min(nbytes, shutil.disk_usage(spill_dir).free // 4))
-    chunk = min(nbytes, 16 << 20)
-    buf = os.urandom(chunk)
-    try:
-        return _probe(spill_dir, nbytes, buf)
-    except OSError as exc:
-        raise spill_write_failed(spill_dir, spill_dir, "the disk-speed probe", nbytes, exc) from exc
-
-
-def _probe(spill_dir: str, nbytes: int, buf: bytes) -> tuple[float, float]:
-    chunk = len(buf)
-    fd, path = tempfile.mkstemp(prefix=".lazytrain-probe-", suffix=".bin", dir=spill_dir)
-    try:
-        t0 = time.perf_counter()
-        written = 0
-        while written < nbytes:
-            written += os.write(fd, buf[: min(chunk, nbytes - written)])
-        os.fsync(fd)
-        write_s = time.perf_counter() - t0
-        os.close(fd)
-        fd = -1
-        fd = os.open(path, os.O_RDONLY)
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # read from the disk, not the page cache
-        t0 = time.perf_counter()
-        while os.read(fd, chunk):
-            pass
-        read_s = time.perf_counter() - t0
-    finally:
-        if fd >= 0:
-            os.close(fd)
-        os.unlink(path)
-    return written / max(read_s, 1e-9), written / max(write_s, 1e-9)
-
-
 def _measure(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, stream_dtype: torch.dtype,
              spill_dir: str | None) -> Profile:
     """Measure (CUDA) or estimate (otherwise) everything; no caching here."""
@@ -249,7 +187,8 @@ def _measure(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, 
     src = dict.fromkeys(SOURCE_KEYS, "measured" if cuda else "analytic")
     if cuda:
         per_layer = _measure_layers(adapter, batch, seq, device, stream_dtype)
-        forward = [per_layer[j] for j in range(n)]
+        forward = [per_layer[j][0] for j in range(n)]
+        memory = [per_layer[j][1:] for j in range(n)]
         torch.cuda.empty_cache()
         head = _measure_head(adapter, tokens, device, stream_dtype)
         h2d, d2h, duplex = measure_link_cuda(device)
@@ -257,6 +196,7 @@ def _measure(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, 
     else:
         forward = [(2.0 * numel[j] * tokens + _attention_flops(config, types[j], batch, seq)) / ANALYTIC_FLOPS
                    for j in range(n)]
+        memory = [analytic_layer_memory(config, types[j], tokens, itemsize, numel[j] * itemsize) for j in range(n)]
         head = 6.0 * config.vocab_size * config.hidden_size * tokens / ANALYTIC_FLOPS
         h2d, d2h, duplex = H200_H2D, H200_D2H, H200_DUPLEX
         name = f"cpu:{platform.processor() or platform.machine()}"
@@ -270,6 +210,7 @@ def _measure(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, 
                    head_seconds=head, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, duplex_bytes_per_s=duplex,
                    nvme_read_bytes_per_s=read, nvme_write_bytes_per_s=write, device_name=name, sources=src,
                    batch=batch, seq=seq, dtype=str(stream_dtype).replace("torch.", ""), layer_types=types,
+                   graph_bytes=[g for g, _ in memory], working_bytes=[w for _, w in memory],
                    info={"analytic_flops": None if cuda else ANALYTIC_FLOPS, "spill_dir": spill_dir})
 
 

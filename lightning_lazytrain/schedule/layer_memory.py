@@ -1,0 +1,87 @@
+"""A layer's GPU memory beyond its input boundary: what its kept graph holds and its forward+backward peak.
+
+On CUDA both are measured on one copy of the layer (``max_memory_allocated`` / ``memory_allocated`` deltas from
+just before its forward-with-grad, through its backward). Without CUDA they are estimated from the config: per
+token, the tensors autograd saves in a decoder layer (the two RMSNorms' fp32 intermediates, Q/K/V and the attention
+output, the MLP's gate/up/activation/product), and for the peak the backward's transient intermediates, the input
+gradient and the weight gradients. ``saved_tensor_bytes`` counts what autograd really saves (saved-tensor hooks),
+the reference the estimate is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _mlp_width(config) -> int:
+    """Intermediate features per token: dense MLP, or the routed experts' (top-k) plus a shared expert."""
+    experts = getattr(config, "num_experts_per_tok", None)
+    moe = getattr(config, "moe_intermediate_size", None)
+    if experts and moe:
+        return int(experts * moe + (getattr(config, "shared_expert_intermediate_size", 0) or 0))
+    return int(config.intermediate_size)
+
+
+def _mixer_width(config, layer_type: str) -> int:
+    """Features per token the token mixer saves: Q, K, V, the attention output and rotated Q/K."""
+    if layer_type == "linear_attention":
+        k = getattr(config, "linear_num_key_heads", 0) * getattr(config, "linear_key_head_dim", 0)
+        v = getattr(config, "linear_num_value_heads", 0) * getattr(config, "linear_value_head_dim", 0)
+        return 14 * (2 * k + 2 * v)  # projections, conv, gates and the chunked state's per-token terms
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    q = config.num_attention_heads * head_dim
+    kv = getattr(config, "num_key_value_heads", config.num_attention_heads) * head_dim
+    width = 3 * q + 4 * kv + q  # q/k/v, rotated q/k (+ repeated kv), attention output; the gate of gated attention
+    if str(getattr(config, "model_type", "")).startswith("qwen3"):
+        width += 3 * (q + kv)  # per-head RMSNorm of q and k: fp32 input and normalized copies
+    return width
+
+
+def analytic_layer_memory(config, layer_type: str, tokens: int, itemsize: int, param_bytes: int) -> tuple[int, int]:
+    """(graph bytes, peak working bytes) of one layer's forward+backward for ``tokens`` tokens, estimated."""
+    hidden, mlp = config.hidden_size, _mlp_width(config)
+    norms = 2 * 3 * 4 * hidden  # two RMSNorms: fp32 input, normalized and scaled copies
+    per_token = norms + itemsize * (3 * hidden + _mixer_width(config, layer_type) + 4 * mlp)
+    experts = getattr(config, "num_experts_per_tok", None) if getattr(config, "moe_intermediate_size", None) else None
+    if experts:  # routed copies of each token's input and output, fp32 router probabilities
+        per_token += itemsize * 2 * experts * hidden + 4 * 2 * getattr(config, "num_experts", 0)
+    graph = tokens * per_token
+    transient = tokens * itemsize * (2 * mlp + 2 * hidden)  # backward's gate/up gradients, input gradient, output
+    return graph, graph + transient + param_bytes
+
+
+def measure_layer_memory(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict) -> tuple[int, int]:
+    """(graph bytes, peak working bytes) of ``layer``'s forward-with-grad then backward on CUDA."""
+    device = hidden.device
+    x = hidden.detach().requires_grad_()
+    params = [p for p in layer.parameters() if p.requires_grad]
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    with torch.enable_grad():
+        out = layer(x, **kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+    graph = torch.cuda.memory_allocated(device) - base
+    grads = torch.autograd.grad(out, [x, *params], torch.ones_like(out))
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del grads, out
+    return int(graph), int(peak)
+
+
+def saved_tensor_bytes(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict) -> int:
+    """Bytes of the distinct storages autograd saves in ``layer``'s forward, leaving out the input and the weights."""
+    skip = {hidden.untyped_storage().data_ptr()} | {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    x = hidden.detach().requires_grad_()
+    skip.add(x.untyped_storage().data_ptr())
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x, **kwargs)
+    return sum(seen.values())
