@@ -88,7 +88,8 @@ def solve_plan(settings: PlanSettings, executor: StreamingExecutor, batch: int, 
     head = 3 * executor.loss_chunk_bytes + 2 * profile.activation_bytes[-1]
     problem = build_problem(profile, gpu if total is None else min(gpu, total), cpu, nvme,
                             max_recompute_span=settings.max_recompute_span,
-                            keep_graph_layers=list(range(n - forced, n)), gpu_total_bytes=total, slot_bytes=slot_bytes, fixed_slots=max(1, executor.prefetch_depth),
+                            keep_graph_layers=list(range(n - forced, n)), gpu_total_bytes=total,
+                            slot_bytes=slot_bytes, fixed_slots=max(1, executor.prefetch_depth),
                             head_working_bytes=head)
     schedule = solve(problem, time_limit=settings.solver_time_limit, mip_gap=settings.solver_mip_gap)
     log.info("lazytrain plan: %s, predicted exposed %.3f s", schedule.counts(), schedule.predicted_exposed_seconds)

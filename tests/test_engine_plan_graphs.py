@@ -16,8 +16,9 @@ def test_plan_file_keep_graph_pattern_trains_like_all_gpu(tmp_path):
     ref, _ = train(model, data, strategy=LazyTrainStrategy(schedule="interval:1"))
     plan = tmp_path / "plan.json"
     # layers 0 and 2 keep their graph, 1 and 3 re-run (3 inside a recompute-free block whose input is on the CPU)
-    plan.write_text(Schedule(tiers=["gpu", "gpu", "gpu", "cpu", "gpu"],
-                             keep_graph=[True, False, True, False]).to_json())
+    plan.write_text(
+        Schedule(tiers=["gpu", "gpu", "gpu", "cpu", "gpu"], keep_graph=[True, False, True, False]).to_json()
+    )
     lt, trainer = train(model, data, strategy=LazyTrainStrategy(schedule=str(plan)))
     assert rel_diff(lt.model, ref.model) <= 1e-6
 
@@ -27,8 +28,13 @@ def test_milp_keeps_at_least_the_graphs_keep_graph_layers_asks_for(tmp_path):
     ref, _ = train(model, data, strategy=LazyTrainStrategy(schedule="interval:1"))
     act = 2 * 16 * 64 * 4
     # room for the ends, two kept graphs (analytic bytes of the tiny layer) and little else
-    strategy = LazyTrainStrategy(schedule="milp", keep_graph_layers=2, gpu_activation_gib=64 * act / 2**30,
-                                 cpu_activation_gib=8 * act / 2**30, solver_time_limit=5.0)
+    strategy = LazyTrainStrategy(
+        schedule="milp",
+        keep_graph_layers=2,
+        gpu_activation_gib=64 * act / 2**30,
+        cpu_activation_gib=8 * act / 2**30,
+        solver_time_limit=5.0,
+    )
     lt, _ = train(model, data, strategy=strategy, default_root_dir=str(tmp_path))
     plan = json.loads((tmp_path / "lazytrain_plan.json").read_text())
     assert plan["keep_graph"][-2:] == [True, True]
@@ -37,8 +43,9 @@ def test_milp_keeps_at_least_the_graphs_keep_graph_layers_asks_for(tmp_path):
 
 def test_milp_refuses_keep_graph_layers_whose_graphs_exceed_the_budget(tmp_path):
     act = 2 * 16 * 64 * 4
-    strategy = LazyTrainStrategy(schedule="milp", keep_graph_layers=4, gpu_activation_gib=3 * act / 2**30,
-                                 solver_time_limit=5.0)
+    strategy = LazyTrainStrategy(
+        schedule="milp", keep_graph_layers=4, gpu_activation_gib=3 * act / 2**30, solver_time_limit=5.0
+    )
     with pytest.raises(ValueError, match=r"keep_graph_layers \[0, 1, 2, 3\] need"):
         train(tiny_model("qwen3"), batches(1), strategy=strategy, max_steps=1, default_root_dir=str(tmp_path))
 
@@ -47,5 +54,9 @@ def test_keep_graph_layers_with_a_plan_file_is_refused(tmp_path):
     plan = tmp_path / "plan.json"
     plan.write_text(Schedule(tiers=["gpu"] * 5).to_json())
     with pytest.raises(ValueError, match="keep_graph_layers=2 does not apply to the plan file"):
-        train(tiny_model("qwen2"), batches(1), strategy=LazyTrainStrategy(schedule=str(plan), keep_graph_layers=2),
-              max_steps=1)
+        train(
+            tiny_model("qwen2"),
+            batches(1),
+            strategy=LazyTrainStrategy(schedule=str(plan), keep_graph_layers=2),
+            max_steps=1,
+        )

@@ -41,6 +41,7 @@ def measured_profile(
         del small
         torch.cuda.empty_cache()
     per_kind = dict(zip(kinds, measured.forward_seconds))
+    memory = dict(zip(kinds, zip(measured.graph_bytes, measured.working_bytes)))
     itemsize = torch.empty((), dtype=stream_dtype).element_size()
     act = batch * seq * adapter.model.config.hidden_size * itemsize
     return replace(
@@ -49,5 +50,7 @@ def measured_profile(
         activation_bytes=[act] * (adapter.num_layers + 1),
         param_bytes=[_unique_numel(layer) * itemsize for layer in adapter.layers],
         layer_types=types,
+        graph_bytes=[memory[t][0] for t in types],
+        working_bytes=[memory[t][1] for t in types],
         info={**measured.info, "scaling": f"measured on {measured.device_name} (one layer per kind)"},
     )

@@ -23,8 +23,8 @@ import torch
 from lightning_lazytrain.engine.link import measure_link_cuda
 from lightning_lazytrain.models.adapter import ModelAdapter
 
-from .spill_probe import measure_disk
 from .layer_memory import analytic_layer_memory, measure_layer_memory
+from .spill_probe import measure_disk
 from .timing import rotary_inputs, time_cuda
 
 PROFILE_VERSION = 2
@@ -33,7 +33,7 @@ ANALYTIC_FLOPS = 1e11  # FLOP/s assumed for analytic compute estimates (no CUDA 
 H200_H2D, H200_D2H, H200_DUPLEX = 55.5e9, 55.3e9, 101e9
 DISK_WRITE, DISK_READ = 0.51e9, 1.28e9
 NVME_PROBE_BYTES_GPU, NVME_PROBE_BYTES_CPU = 256 << 20, 16 << 20
-SOURCE_KEYS = ("forward_seconds", "head_seconds", "h2d", "d2h", "duplex", "nvme_read", "nvme_write", "working_set")
+SOURCE_KEYS = ("forward_seconds", "head_seconds", "h2d", "d2h", "duplex", "nvme_read", "nvme_write")
 __all__ = ["Profile", "cache_key", "cache_path", "measure_disk", "profile_model"]
 
 
@@ -47,7 +47,7 @@ class Profile:
     h2d / d2h one direction alone, duplex_bytes_per_s the total of both directions running at once.
     graph_bytes[j] / working_bytes[j]: GPU bytes layer j's kept graph holds and the peak of its forward-with-grad
     and backward, both beyond its input boundary (`layer_memory.py`). sources[k] for k in SOURCE_KEYS: "measured"
-    or "analytic".
+    or "analytic". Empty memory lists: not profiled (the MILP then offers no kept graphs).
     """
 
     forward_seconds: list[float]
@@ -77,9 +77,9 @@ class Profile:
         self.forward_seconds = [float(v) for v in self.forward_seconds]
         self.activation_bytes = [int(v) for v in self.activation_bytes]
         self.param_bytes = [int(v) for v in self.param_bytes]
-        if len(self.graph_bytes) != n or len(self.working_bytes) != n:
-            raise ValueError(f"Profile needs L={n} graph_bytes and working_bytes, got {len(self.graph_bytes)}, "
-                             f"{len(self.working_bytes)}")
+        if {len(self.graph_bytes), len(self.working_bytes)} - {0, n}:
+            raise ValueError(f"Profile needs L={n} graph_bytes and working_bytes (or none: not profiled), got "
+                             f"{len(self.graph_bytes)}, {len(self.working_bytes)}")
         self.graph_bytes = [int(v) for v in self.graph_bytes]
         self.working_bytes = [int(v) for v in self.working_bytes]
         for name in ("h2d_bytes_per_s", "d2h_bytes_per_s", "duplex_bytes_per_s", "nvme_read_bytes_per_s",
@@ -211,7 +211,8 @@ def _measure(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, 
                    nvme_read_bytes_per_s=read, nvme_write_bytes_per_s=write, device_name=name, sources=src,
                    batch=batch, seq=seq, dtype=str(stream_dtype).replace("torch.", ""), layer_types=types,
                    graph_bytes=[g for g, _ in memory], working_bytes=[w for _, w in memory],
-                   info={"analytic_flops": None if cuda else ANALYTIC_FLOPS, "spill_dir": spill_dir})
+                   info={"analytic_flops": None if cuda else ANALYTIC_FLOPS, "working_set": src["forward_seconds"],
+                         "spill_dir": spill_dir})
 
 
 def cache_key(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, stream_dtype: torch.dtype,
