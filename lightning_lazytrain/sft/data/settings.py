@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from lightning_lazytrain.sft.data.demo_chat import DEMO_CHAT_PATH
 from lightning_lazytrain.sft.data.demo_math import DEMO_MATH_PATH
 from lightning_lazytrain.sft.data.errors import DataSettingError
 from lightning_lazytrain.sft.data.formats import FieldMap
@@ -16,6 +17,9 @@ from lightning_lazytrain.sft.data.sources import data_files, is_dataset_name
 
 #: ``data_path`` value that selects the shipped demo arithmetic set
 DEMO_DATA = "demo"
+#: ``data_path`` value that selects the shipped chat-format (``messages``) set
+DEMO_CHAT_DATA = "demo_chat"
+_SHIPPED = {DEMO_DATA: DEMO_MATH_PATH, DEMO_CHAT_DATA: DEMO_CHAT_PATH}
 
 # (argument, smallest allowed value, whether None is allowed, why the bound)
 _AT_LEAST: tuple[tuple[str, int, bool, str], ...] = (
@@ -31,8 +35,8 @@ _AT_LEAST: tuple[tuple[str, int, bool, str], ...] = (
 
 
 def resolve_data_path(data_path: str) -> Path:
-    """The file or folder behind ``data_path`` (``"demo"``: the shipped set), ``~`` expanded."""
-    return DEMO_MATH_PATH if data_path == DEMO_DATA else Path(data_path).expanduser()
+    """The file or folder behind ``data_path`` (``"demo"``/``"demo_chat"``: a shipped set), ``~`` expanded."""
+    return _SHIPPED[data_path] if data_path in _SHIPPED else Path(data_path).expanduser()
 
 
 def check_settings(settings: Mapping[str, Any], check_path: bool = False) -> None:
@@ -60,5 +64,5 @@ def check_settings(settings: Mapping[str, Any], check_path: bool = False) -> Non
                                "Use 'all' (train every assistant turn) or 'last' (only the last one)")
     if check_path and "data_path" in settings:
         path = str(settings["data_path"])
-        if path == DEMO_DATA or not is_dataset_name(path):  # a dataset name is checked when it is loaded
+        if path in _SHIPPED or not is_dataset_name(path):  # a dataset name is checked when it is loaded
             data_files(resolve_data_path(path), str(settings.get("data_split") or "train"))

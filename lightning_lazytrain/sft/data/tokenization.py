@@ -34,10 +34,12 @@ class TokenizeSettings:
 
 
 def _trained(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> np.ndarray:
-    starts = np.array([s for s, _ in offsets], dtype=np.int64)
+    """Tokens whose characters overlap a trained span (a token that straddles its start is part of the reply)."""
+    bounds = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    starts, ends = bounds[:, 0], np.maximum(bounds[:, 1], bounds[:, 0] + 1)
     mask = np.zeros(len(starts), dtype=bool)
     for lo, hi in spans:
-        mask |= (starts >= lo) & (starts < hi)
+        mask |= (starts < hi) & (ends > lo)
     return mask
 
 

@@ -71,15 +71,16 @@ QWEN_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-# For a tokenizer without a chat template (a base model's): a system turn, then "User: ..." and "Assistant: ..."
-# lines; an assistant turn ends with the eos token, which is where generation stops.
+# For a tokenizer without a chat template (a base model's): the system turn, then "User: ..." lines and "Assistant:"
+# turns whose text starts on a new line (so no token straddles the prompt and the reply) and ends with the eos token,
+# which is where generation stops.
 PLAIN_CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{%- if message['role'] == 'system' %}{{- message['content'] + '\\n\\n' }}"
     "{%- elif message['role'] == 'user' %}{{- 'User: ' + message['content'] + '\\n' }}"
-    "{%- else %}{{- 'Assistant: ' + message['content'] + (eos_token or '') + '\\n' }}{%- endif %}"
+    "{%- else %}{{- 'Assistant:\\n' + message['content'] + (eos_token or '') + '\\n' }}{%- endif %}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- 'Assistant: ' }}{%- endif %}"
+    "{%- if add_generation_prompt %}{{- 'Assistant:\\n' }}{%- endif %}"
 )
 
 
@@ -174,7 +175,7 @@ def load_tokenizer(
             tok.pad_token = "<|endoftext|>" if "<|endoftext|>" in tok.get_vocab() else tok.eos_token
         if not getattr(tok, "chat_template", None):
             rank_zero_info(f"{name_or_path}: the tokenizer has no chat template; using the plain one "
-                           "('User: ...' / 'Assistant: ...<eos>', lightning_lazytrain.sft.data.tokenizer)")
+                           "('User: ...' / 'Assistant:\\n...<eos>', lightning_lazytrain.sft.data.tokenizer)")
             tok.chat_template = PLAIN_CHAT_TEMPLATE
     tok.padding_side = padding_side
     return tok
