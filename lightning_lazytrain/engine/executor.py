@@ -25,7 +25,7 @@ from lightning_lazytrain.engine.grads.host import GradSink
 from lightning_lazytrain.engine.grads.sharded import ShardedGradSink
 from lightning_lazytrain.engine.loss import chunked_causal_lm_loss, chunked_token_accuracy
 from lightning_lazytrain.engine.plan import StackPlan
-from lightning_lazytrain.engine.stack import LayerCall, StackRun, StreamedStack, make_prefetcher
+from lightning_lazytrain.engine.stack import LayerCall, StackContext, StackRun, StreamedStack
 from lightning_lazytrain.engine.updates.cpu import UpdateQueue
 from lightning_lazytrain.engine.updates.device import DeviceUpdatePath, assign_device_updates
 from lightning_lazytrain.engine.updates.sharded import ShardedUpdateQueue
@@ -175,9 +175,6 @@ class StreamingExecutor:
         self.sink.close()
         self.store.close()
 
-    def prefetcher(self, order: list[int]):
-        return make_prefetcher(self, order, self.prefetch_depth)
-
     def resident_tensors(self) -> list[torch.Tensor]:
         """The device copy of embedding/norm/head as autograd leaves, re-uploaded after the masters changed."""
         unit = self.resident_unit
@@ -197,7 +194,10 @@ class StreamingExecutor:
             raise RuntimeError(f"lazytrain saw {len(calls)} of {len(self.layers)} decoder layer calls before the norm")
         device_type = self.device.type
         autocast = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
-        run = StackRun(self, calls, autocast)
+        context = StackContext(
+            self.layers, self.layer_units, self.pool, self.queues, self.homes, self.plan, self.sink, self.prefetch_depth
+        )
+        run = StackRun(context, calls, autocast)
         if torch.is_grad_enabled():
             return StreamedStack.apply(hidden, self._anchor, run)
         return run.forward(hidden, training=False)

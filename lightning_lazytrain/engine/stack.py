@@ -9,18 +9,25 @@ weight gradients to the ``GradSink`` and pass the input gradient down.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
+from lightning_lazytrain.engine.activations.homes import ActivationHomes
+from lightning_lazytrain.engine.device import DeviceQueues
+from lightning_lazytrain.engine.plan import StackPlan
 from lightning_lazytrain.engine.rng import RngState, capture_rng, restore_rng, rng_fork
 from lightning_lazytrain.engine.weights.binding import bound, leaves_of
+from lightning_lazytrain.engine.weights.slots import Slot, SlotPool
+from lightning_lazytrain.engine.weights.store import ParamUnit
 
-if TYPE_CHECKING:
-    from lightning_lazytrain.engine.executor import StreamingExecutor
-    from lightning_lazytrain.engine.weights.slots import Slot
+
+class WeightGradSink(Protocol):
+    """Where a layer's weight gradients go once its backward ran (the host, direct or sharded sink)."""
+
+    def submit(self, unit: ParamUnit, grads: list[torch.Tensor | None]) -> None: ...
 
 
 @dataclass
@@ -37,11 +44,32 @@ class _Graph:
     slot: Slot
 
 
+@dataclass(frozen=True)
+class StackContext:
+    """What one run of the stack works with; the executor builds one per forward from its current plan and pool."""
+
+    layers: list[nn.Module]
+    units: list[ParamUnit]
+    pool: SlotPool
+    queues: DeviceQueues
+    homes: ActivationHomes
+    plan: StackPlan
+    sink: WeightGradSink
+    prefetch_depth: int
+
+    @property
+    def device(self) -> torch.device:
+        return self.queues.device
+
+    def prefetcher(self, order: list[int]):
+        return self.pool.prefetcher([self.units[j] for j in order], self.prefetch_depth)
+
+
 @dataclass
 class StackRun:
     """One forward of the stack and what it keeps for the backward."""
 
-    executor: StreamingExecutor
+    ctx: StackContext
     calls: list[LayerCall]
     autocast: tuple[bool, torch.dtype] = (False, torch.bfloat16)
     graphs: dict[int, _Graph] = field(default_factory=dict)
@@ -50,23 +78,23 @@ class StackRun:
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         enabled, dtype = self.autocast
-        return torch.autocast(self.executor.device.type, dtype=dtype, enabled=enabled)
+        return torch.autocast(self.ctx.device.type, dtype=dtype, enabled=enabled)
 
     def _layer(self, j: int, hidden: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
-        ex = self.executor
-        layer, unit, call = ex.layers[j], ex.layer_units[j], self.calls[j]
+        ex = self.ctx
+        layer, unit, call = ex.layers[j], ex.units[j], self.calls[j]
         with bound(unit, weights):
             out = type(layer).forward(layer, hidden, *call.args, **call.kwargs)
         return out[0] if isinstance(out, tuple) else out
 
     def _acquire(self, j: int) -> Slot:
-        ex = self.executor
-        slot = ex.pool.acquire(ex.layer_units[j])
+        ex = self.ctx
+        slot = ex.pool.acquire(ex.units[j])
         ex.queues.wait(slot.ready)
         return slot
 
     def forward(self, hidden: torch.Tensor, training: bool) -> torch.Tensor:
-        ex, plan = self.executor, self.executor.plan
+        ex, plan = self.ctx, self.ctx.plan
         order = list(range(len(self.calls)))
         prefetch = ex.prefetcher(order)
         homes = ex.homes
@@ -78,14 +106,14 @@ class StackRun:
             if training and plan.keep_graph[j]:
                 with torch.enable_grad():
                     inputs = x.detach().requires_grad_()
-                    leaves = leaves_of(slot.views(ex.layer_units[j]), ex.layer_units[j])
+                    leaves = leaves_of(slot.views(ex.units[j]), ex.units[j])
                     out = self._layer(j, inputs, leaves)
                 self.graphs[j] = _Graph(inputs, out, leaves, slot)
                 x = out.detach()
             else:
                 if training:
                     self.rng[j] = capture_rng(ex.device)
-                x = self._layer(j, x, slot.views(ex.layer_units[j]))
+                x = self._layer(j, x, slot.views(ex.units[j]))
                 ex.pool.release(slot)
             # queue this layer's compute before possibly blocking on the next layer's optimizer update
             prefetch(j + 1)
@@ -97,19 +125,19 @@ class StackRun:
 
     def _needed(self, boundary: int) -> bool:
         """Boundary i is read back in the backward when it starts a block whose layer re-runs there."""
-        plan = self.executor.plan
+        plan = self.ctx.plan
         return boundary < plan.num_layers and plan.kept(boundary) and not plan.keep_graph[boundary]
 
     def backward(self, grad: torch.Tensor) -> torch.Tensor:
-        with rng_fork(self.executor.device):
+        with rng_fork(self.ctx.device):
             return self._backward(grad)
 
     def _rerun(self, j: int, hidden: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
-        restore_rng(self.rng[j], self.executor.device)
+        restore_rng(self.rng[j], self.ctx.device)
         return self._layer(j, hidden, weights)
 
     def _backward(self, grad: torch.Tensor) -> torch.Tensor:
-        ex, plan = self.executor, self.executor.plan
+        ex, plan = self.ctx, self.ctx.plan
         blocks = list(reversed(plan.blocks()))
         order = [j for s, e in blocks for j in range(s, e)]
         prefetch = ex.prefetcher(order)
@@ -131,9 +159,9 @@ class StackRun:
                 ex.homes.prefetch(starts[k + 1])
             with torch.no_grad(), self._autocast():
                 for j in range(s, e - 1):
-                    inputs.append(self._rerun(j, inputs[-1], slots[j - s].views(ex.layer_units[j])))
+                    inputs.append(self._rerun(j, inputs[-1], slots[j - s].views(ex.units[j])))
             for j in reversed(range(s, e)):
-                unit = ex.layer_units[j]
+                unit = ex.units[j]
                 with torch.enable_grad(), self._autocast():
                     x = inputs.pop().detach().requires_grad_()
                     leaves = leaves_of(slots[j - s].views(unit), unit)
@@ -150,7 +178,7 @@ class StackRun:
         grads = torch.autograd.grad(out, [x, *trainable], grad, allow_unused=True)
         it = iter(grads[1:])
         weight_grads = [next(it) if leaf.requires_grad else None for leaf in leaves]
-        self.executor.sink.submit(self.executor.layer_units[j], weight_grads)
+        self.ctx.sink.submit(self.ctx.units[j], weight_grads)
         return grads[0] if grads[0] is not None else torch.zeros_like(x)
 
 
@@ -167,14 +195,3 @@ class StreamedStack(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         run, ctx.run = ctx.run, None
         return run.backward(grad), None, None
-
-
-def make_prefetcher(executor: StreamingExecutor, order: list[int], depth: int) -> Callable[[int], None]:
-    """A function ``prefetch(pos)`` that starts the copies of the next ``depth`` layers after position ``pos``."""
-
-    def prefetch(pos: int) -> None:
-        for j in order[pos : pos + depth]:
-            if not executor.pool.prefetch(executor.layer_units[j]):
-                break
-
-    return prefetch

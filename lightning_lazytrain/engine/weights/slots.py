@@ -7,6 +7,7 @@ second copy, and a layer's weights are copied at most twice per step (forward, b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -98,6 +99,17 @@ class SlotPool:
         slot.pending = True
         slot.last_use = self._clock
         return True
+
+    def prefetcher(self, units: list[ParamUnit], depth: int) -> Callable[[int], None]:
+        """A function ``prefetch(pos)`` that starts the copies of the ``depth`` units after position ``pos`` of
+        ``units`` (the order the stack will acquire them in), stopping at the first that finds no free slot."""
+
+        def prefetch(pos: int) -> None:
+            for unit in units[pos : pos + depth]:
+                if not self.prefetch(unit):
+                    break
+
+        return prefetch
 
     def release(self, slot: Slot) -> None:
         """The compute stream is done with ``slot`` once what is queued now has run."""
