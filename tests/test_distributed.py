@@ -182,7 +182,8 @@ def test_sharded_checkpoint_refuses_another_world_size(start, two_procs):
 
 
 def test_consolidated_export_is_the_trained_model(start, two_procs, tmp_path):
-    out = export_sharded_hf(two_procs / "ckpt" / "epoch=1-step=3.ckpt", copy.deepcopy(start), tmp_path / "hf")
+    out = export_sharded_hf(two_procs / "ckpt" / "epoch=1-step=3.ckpt", copy.deepcopy(start), tmp_path / "hf",
+                            dtype=None)
     exported = AutoModelForCausalLM.from_pretrained(out)
     assert rel_diff(exported, start) > 1e-2
     assert rel_diff(exported, _weights(two_procs, start)) == 0.0

@@ -1,5 +1,8 @@
+import json
+
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_lazytrain.sft.data.tokenizer import load_tokenizer
@@ -21,7 +24,7 @@ def test_round_trip_same_logits(tmp_path, tok):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)  # not the init distribution: a reload from scratch would differ
-    out = export_hf(model, tmp_path / "hf", tokenizer=tok)
+    out = export_hf(model, tmp_path / "hf", tokenizer=tok, dtype="float32")
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no temporary directory left behind
     loaded = AutoModelForCausalLM.from_pretrained(out).eval()
@@ -62,7 +65,29 @@ def test_callback_exports_at_fit_end(tmp_path, tok):
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[HFExportCallback(str(tmp_path / "out"))])
     trainer.fit(module, datamodule=dm)
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype="auto")
     trained = dict(module.model.named_parameters())
-    assert all(torch.equal(p, trained[n]) for n, p in loaded.named_parameters())
+    assert next(module.model.parameters()).dtype == torch.float32  # the masters stay fp32; the export is bf16
+    exported = dict(loaded.named_parameters())
+    assert all(p.dtype == torch.bfloat16 and torch.equal(p, trained[n].bfloat16()) for n, p in exported.items())
     assert (tmp_path / "out" / "tokenizer_config.json").is_file()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_export_writes_bf16_by_default(tmp_path, tied):
+    torch.manual_seed(0)
+    model = build_model(model_config={**TINY, "tie_word_embeddings": tied})
+    fp32 = export_hf(model, tmp_path / "fp32", dtype=torch.float32)
+    out = export_hf(model, tmp_path / "bf16")
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+        assert ("lm_head.weight" in f.keys()) is not tied  # a tied head is still written once
+    size = (out / "model.safetensors").stat().st_size
+    assert abs(size / (fp32 / "model.safetensors").stat().st_size - 0.5) < 0.01
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype="auto")
+    want = {n: p.detach().bfloat16() for n, p in model.named_parameters()}
+    assert all(p.dtype == torch.bfloat16 and torch.equal(p, want[n]) for n, p in loaded.named_parameters())
+    assert next(model.parameters()).dtype == torch.float32  # the model itself is not cast
+    with pytest.raises(ValueError, match="not a floating torch dtype"):
+        export_hf(model, tmp_path / "bad", dtype="int8")

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from lightning_lazytrain.checkpoint.hf_export import export_hf
+from lightning_lazytrain.checkpoint.hf_export import EXPORT_DTYPE, export_hf
 from lightning_lazytrain.engine.weights.shared_store import SharedParamStore
 
 FORMAT = "lazytrain-sharded-1"
@@ -80,12 +80,14 @@ def consolidate(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
 
 
 def export_sharded_hf(path: str | os.PathLike[str], model: PreTrainedModel, out_dir: str | os.PathLike[str],
-                      tokenizer: PreTrainedTokenizerBase | None = None) -> Path:
-    """Load a sharded checkpoint's weights into ``model`` (same architecture) and export it as an HF directory."""
+                      tokenizer: PreTrainedTokenizerBase | None = None,
+                      dtype: torch.dtype | str | None = EXPORT_DTYPE) -> Path:
+    """Load a sharded checkpoint's weights into ``model`` (same architecture) and export it as an HF directory
+    (weights in ``dtype``: bf16 by default, None as the checkpoint holds them)."""
     state = consolidate(path)
     missing = set(model.state_dict()) - set(state)
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     if missing & params:
         raise KeyError(f"the checkpoint lacks parameters of this model: {sorted(missing & params)[:5]}")
     model.load_state_dict(state, strict=False)
-    return export_hf(model, out_dir, tokenizer=tokenizer)
+    return export_hf(model, out_dir, tokenizer=tokenizer, dtype=dtype)

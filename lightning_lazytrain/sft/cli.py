@@ -34,7 +34,7 @@ from omegaconf.errors import OmegaConfBaseException
 # Importing the package is what registers the "lazytrain" strategy names in Lightning's StrategyRegistry; it must
 # happen before LightningCLI resolves `trainer.strategy`.
 import lightning_lazytrain  # noqa: F401
-from lightning_lazytrain.checkpoint.hf_export import export_hf
+from lightning_lazytrain.checkpoint.hf_export import export_dtype, export_hf
 from lightning_lazytrain.sft.data.errors import DataError, DataSettingError
 from lightning_lazytrain.sft.data.settings import check_settings
 from lightning_lazytrain.sft.data.sft import SFTDataModule
@@ -82,12 +82,14 @@ def keep_freed_memory_in_heap() -> bool:
 
 
 class LazyTrainCLI(LightningCLI):
-    """LightningCLI plus ``--export_dir`` (an HF directory of the trained model when ``fit`` ends) and
-    ``--cpu_heap_cache`` (see :func:`keep_freed_memory_in_heap`)."""
+    """LightningCLI plus ``--export_dir`` (an HF directory of the trained model when ``fit`` ends, its weights in
+    ``--export_dtype``) and ``--cpu_heap_cache`` (see :func:`keep_freed_memory_in_heap`)."""
 
     def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001 - jsonargparse's parser type
         parser.add_argument("--export_dir", type=str | None, default=None,
                             help="after fit, save the model + tokenizer here as an HF directory (safetensors)")
+        parser.add_argument("--export_dtype", type=str | None, default="bfloat16",
+                            help="dtype of the exported weights (bfloat16, float16, float32; null: as trained)")
         parser.add_argument("--cpu_heap_cache", type=bool, default=True,
                             help="with trainer.accelerator=cpu, keep freed memory in the heap (faster CPU steps)")
         # one tokenizer setting for data and generation (and one value in the logged hparams of both)
@@ -100,6 +102,10 @@ class LazyTrainCLI(LightningCLI):
             check_settings(cfg.get("data") or {}, check_path=True)
         except DataSettingError as exc:  # name the key as the config spells it
             raise DataSettingError(f"data.{exc.field}", exc.problem, exc.fix) from None
+        try:
+            export_dtype(cfg.get("export_dtype"))
+        except ValueError as exc:
+            raise ConfigError(f"--export_dtype: {exc}") from None
         if cfg.get("cpu_heap_cache") and cfg.get("trainer", {}).get("accelerator") == "cpu":
             keep_freed_memory_in_heap()
 
@@ -121,9 +127,10 @@ class LazyTrainCLI(LightningCLI):
         return super().instantiate_trainer(**kwargs)
 
     def after_fit(self) -> None:
-        export_dir = self.config[self.subcommand].get("export_dir")
-        if export_dir and self.trainer.is_global_zero:
-            export_hf(self.model.model, export_dir, tokenizer=self.model.tokenizer)
+        config = self.config[self.subcommand]
+        if config.get("export_dir") and self.trainer.is_global_zero:
+            export_hf(self.model.model, config["export_dir"], tokenizer=self.model.tokenizer,
+                      dtype=config.get("export_dtype"))
 
 
 def _with_default_config(args: list[str]) -> list[str]:
