@@ -15,85 +15,16 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lightning_lazytrain.sft.data.answers import answers_match
 from lightning_lazytrain.sft.data.examples import IGNORE_INDEX
 from lightning_lazytrain.sft.data.packing import model_inputs
 from lightning_lazytrain.sft.data.tokenizer import end_of_turn_id, load_tokenizer
 from lightning_lazytrain.sft.eval_prompts import EvalPrompts, new_token_count
+from lightning_lazytrain.sft.model_loading import NAMED_SHAPES, DTypeName, build_model
 
-DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
-
-# Published shapes of the recipe models, for random-init runs where no weights can be downloaded (the H200 image):
-# `model_config: qwen2.5-3b` builds the real architecture with random weights.
-NAMED_SHAPES: dict[str, dict[str, Any]] = {
-    "qwen2.5-3b": dict(model_type="qwen2", hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
-                       num_attention_heads=16, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
-                       rope_theta=1e6, max_position_embeddings=32768, rms_norm_eps=1e-6),
-    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False,
-                       rope_theta=1e6, max_position_embeddings=32768, rms_norm_eps=1e-6),
-    "qwen2.5-14b": dict(model_type="qwen2", hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
-                        num_attention_heads=40, num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False,
-                        rope_theta=1e6, max_position_embeddings=32768, rms_norm_eps=1e-5),
-    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                     tie_word_embeddings=False, rope_theta=1e6, max_position_embeddings=40960, rms_norm_eps=1e-6),
-    # REFERENCE.md's 27B text shape; the linear-attention widths are transformers' Qwen3.5 defaults (25.4 B params
-    # with them vs the paper's 23.68 B: check against the checkpoint's config.json before comparing numbers)
-    "qwen3.6-27b": dict(model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
-                        num_attention_heads=24, num_key_value_heads=4, head_dim=256, vocab_size=248320),
-}
-
-
-def _torch_dtype(name: str | None) -> torch.dtype | str | None:
-    if name is None or name == "auto":
-        return name
-    return getattr(torch, name)
-
-
-def build_model(
-    pretrained: str | None = None,
-    model_config: dict[str, Any] | str | None = None,
-    dtype: str | None = None,
-    trust_remote_code: bool = False,
-    attn_implementation: str | None = "sdpa",
-) -> PreTrainedModel:
-    """An HF causal LM from weights (hub name or local dir) or, for random-init runs, from a config.
-
-    ``model_config`` is a dict with ``model_type`` and config fields, a name in :data:`NAMED_SHAPES`, or a config
-    path/hub name. Local paths are read with ``local_files_only`` so nothing is fetched.
-    """
-    if (pretrained is None) == (model_config is None):
-        raise ValueError("give exactly one of `pretrained` (weights) or `model_config` (random init)")
-    attn = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    if pretrained is not None:
-        local = os.path.isdir(os.path.expanduser(pretrained))
-        path = os.path.expanduser(pretrained) if local else pretrained
-        return AutoModelForCausalLM.from_pretrained(
-            path, dtype=_torch_dtype(dtype) or "auto", trust_remote_code=trust_remote_code,
-            local_files_only=local, **attn,
-        )
-    if isinstance(model_config, str) and model_config.lower() in NAMED_SHAPES:
-        model_config = dict(NAMED_SHAPES[model_config.lower()])
-    if isinstance(model_config, dict):
-        fields = dict(model_config)
-        if "model_type" not in fields:
-            raise ValueError(f"model_config needs a 'model_type' (e.g. 'qwen2'); got keys {sorted(fields)}")
-        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    else:
-        local = os.path.exists(os.path.expanduser(model_config))
-        config = AutoConfig.from_pretrained(os.path.expanduser(model_config) if local else model_config,
-                                            trust_remote_code=trust_remote_code, local_files_only=local)
-    target = _torch_dtype(dtype)
-    # build directly in the target dtype: a 14B model built in fp32 and then cast would need 1.5x its bytes at once
-    kwargs = {"dtype": target} if isinstance(target, torch.dtype) else {}
-    model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, **attn, **kwargs)
-    if isinstance(target, torch.dtype) and model.dtype != target:
-        model = model.to(target)
-    return model
-
+__all__ = ["NAMED_SHAPES", "CausalLMModule", "build_model", "warmup_cosine"]
 
 def _import_class(path: str) -> type:
     module, _, name = path.rpartition(".")
@@ -115,7 +46,9 @@ class CausalLMModule(pl.LightningModule):
     """Supervised fine-tuning of one HF causal LM, with held-out exact match of greedy answers.
 
     Args:
-        pretrained: hub name or local directory of weights (``from_pretrained``).
+        pretrained: hub name or local directory of weights (``from_pretrained``); for a hub name ``revision`` (branch,
+            tag or commit), ``cache_dir`` (the hub cache) and ``local_files_only`` (no network) are passed on.
+            ``trust_remote_code`` runs code the model repository ships: off unless asked.
         model_config: for a random-init run instead: a config dict with ``model_type``, a name from
             :data:`NAMED_SHAPES`, or a config path.
         tokenizer: tokenizer name/path used when the datamodule provides none (``None``: the offline Qwen one).
@@ -138,6 +71,9 @@ class CausalLMModule(pl.LightningModule):
         dtype: DTypeName | None = None,
         trust_remote_code: bool = False,
         attn_implementation: str | None = "sdpa",
+        revision: str | None = None,
+        cache_dir: str | None = None,
+        local_files_only: bool = False,
         optimizer: str = "torch.optim.AdamW",
         optimizer_kwargs: dict[str, Any] | None = None,
         lr: float = 1e-5,
@@ -155,7 +91,7 @@ class CausalLMModule(pl.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.model: PreTrainedModel = build_model(pretrained, model_config, dtype, trust_remote_code,
-                                                  attn_implementation)
+                                                  attn_implementation, revision, cache_dir, local_files_only)
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._prompts = EvalPrompts()
 
