@@ -63,6 +63,7 @@ def test_direct_updates_bf16_mixed_within_bf16_noise():
     ref16, _ = fit(HybridModule(copy.deepcopy(model)), data, precision="bf16-mixed")
     lt16, _ = fit(HybridModule(copy.deepcopy(model)), data, "lazytrain", precision="bf16-mixed")
     noise = update_rel_diff(model, ref16.model, ref32.model)
+    assert 0 < noise < 0.2, "the bf16 noise floor itself must be small for 2x of it to mean anything (0.05 here)"
     assert update_rel_diff(model, lt16.model, ref16.model) <= 2 * noise
 
 
@@ -139,9 +140,11 @@ def test_bf16_true_direct_updates_match_plain_stochastic_rounding():
     ref, _ = fit(HybridModule(copy.deepcopy(model), 1.0), data, precision="bf16-true")
     lt, _ = fit(HybridModule(copy.deepcopy(model), 1.0), data, "lazytrain", precision="bf16-true")
     assert next(lt.model.parameters()).dtype == torch.bfloat16
-    ref32, _ = fit(HybridModule(copy.deepcopy(model), 1.0), data)
-    noise = update_rel_diff(model, ref.model, ref32.model)
-    assert update_rel_diff(model, lt.model, ref.model) <= 2 * noise
+    start = copy.deepcopy(model).to(torch.bfloat16)
+    assert rel_diff(ref.model, start) > 1e-3, "the reference run must have moved the weights"
+    # Both runs round the same fp32 updates with the same stochastic-rounding stream: no bf16-vs-fp32 noise floor
+    # enters (it measures 1.6 here, so 2x of it would pass a run that never updated: update_rel_diff 1.0).
+    assert update_rel_diff(start, lt.model, ref.model) <= 1e-2
 
 
 @pytest.mark.parametrize(("fraction", "precision"), [(0.0, "32-true"), (1.0, "32-true"), (0.0, "bf16-true")])
