@@ -16,6 +16,8 @@ import psutil
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from lightning_lazytrain.optim import kernel_path
+
 SHAPES = {
     "qwen2.5-3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
                        num_key_value_heads=2, tie_word_embeddings=True),
@@ -173,7 +175,9 @@ def machine() -> dict:
     props = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None
     return {"gpu": props.name if props else None, "gpu_gib": props.total_memory / 2**30 if props else None,
             "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": __import__("transformers").__version__, "lightning": pl.__version__}
+            "transformers": __import__("transformers").__version__, "lightning": pl.__version__,
+            # the update path HybridAdamW's CPU tensors take here (fused kernel's SIMD level, or torch)
+            "hybrid_adamw_kernel_path": kernel_path()}
 
 
 def commit() -> str:

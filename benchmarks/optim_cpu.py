@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_lazytrain.optim import HybridAdamW  # noqa: E402
-from lightning_lazytrain.optim.kernel import fast_encoder  # noqa: E402
+from lightning_lazytrain.optim.kernel import fast_encoder, kernel_path  # noqa: E402
 
 
 def _cpu_flags() -> set[str]:
@@ -165,6 +165,7 @@ def main() -> None:
             # which 8-bit kernel path ran: the one-loop AVX-512 path needs VBMI and the table-driven encoder
             "avx512_vbmi": "avx512vbmi" in _cpu_flags(),
             "fast_encoder": fast_encoder(),
+            "kernel_path": kernel_path(),
         },
         "tensors": {"large_numel": int(args.numel), "large": args.tensors, "small_1M": args.small, "total": total},
         "realised_8bit_fraction_at_0.02": round(realised, 4),

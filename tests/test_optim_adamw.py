@@ -6,8 +6,11 @@ import pytest
 import torch
 
 from lightning_lazytrain.optim import HybridAdamW, kernel_available
+from lightning_lazytrain.optim import kernel as kernel_module
+from lightning_lazytrain.optim.kernel import KernelUnavailable, find_compiler, kernel_path
 
-needs_kernel = pytest.mark.skipif(not kernel_available(), reason="no C compiler for the fused kernel")
+# Skipped only where no compiler exists: with one, a kernel that fails to build fails these tests.
+needs_kernel = pytest.mark.skipif(find_compiler() is None, reason="no C compiler for the fused kernel")
 
 
 def _params(seed=0):
@@ -176,3 +179,21 @@ def test_state_dict_exact_resume(frac, dtype):
         for k, v in o1.state[a].items():
             w = o3.state[b][k]
             assert (torch.equal(v, w) and v.dtype == w.dtype) if isinstance(v, torch.Tensor) else v == w, k
+
+
+@needs_kernel
+def test_kernel_builds_where_a_compiler_exists():
+    assert kernel_available(), kernel_module._error
+    assert kernel_path().startswith("c/")
+    assert HybridAdamW([torch.zeros(3, requires_grad=True)]).kernel_path == kernel_path()
+
+
+def test_fallback_to_torch_path_warns_and_says_so(monkeypatch):
+    def broken():
+        raise KernelUnavailable("no C compiler found")
+
+    monkeypatch.setattr(kernel_module, "load_kernel", broken)
+    with pytest.warns(UserWarning, match="falls back to the slow torch path.*no C compiler"):
+        opt = HybridAdamW([torch.zeros(3, requires_grad=True)])
+    assert opt.kernel_path == "torch" == kernel_path()
+    assert HybridAdamW([torch.zeros(3, requires_grad=True)], use_kernel=False).kernel_path == "torch"

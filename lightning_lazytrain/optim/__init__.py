@@ -2,6 +2,14 @@
 
 from .clipping import NonFiniteGuard, clip_coefficient, grad_norm_sq
 from .hybrid_adamw import HybridAdamW
-from .kernel import KernelUnavailable, kernel_available
+from .kernel import KernelUnavailable, kernel_available, kernel_path
 
-__all__ = ["HybridAdamW", "NonFiniteGuard", "clip_coefficient", "grad_norm_sq", "KernelUnavailable", "kernel_available"]
+__all__ = [
+    "HybridAdamW",
+    "NonFiniteGuard",
+    "clip_coefficient",
+    "grad_norm_sq",
+    "KernelUnavailable",
+    "kernel_available",
+    "kernel_path",
+]

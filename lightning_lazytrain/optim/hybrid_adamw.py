@@ -1,12 +1,7 @@
 """HybridAdamW: AdamW with fp32 moments for some tensors and blockwise 8-bit moments for the rest.
 
-Which tensors get 8-bit moments (decided once, at construction, over all groups):
-  * tensors with fewer than ``min_8bit_numel`` elements always keep fp32 moments (norms, biases: tiny, sensitive);
-  * ``eight_bit_fraction >= 1``: every other tensor is 8-bit;
-  * otherwise tensors are visited largest first (ties: construction order) and one goes 8-bit when the 8-bit
-    element count stays <= ``eight_bit_fraction`` x (all elements); smaller tensors may fill what larger ones
-    could not, so the realised fraction is as close to the target as tensor granularity allows, never above it.
-Saved states carry their own layout: a checkpoint restores exactly what it holds, whatever the rule says.
+Which tensors get 8-bit moments: ``state_layout.py``. Saved states carry their own layout: a checkpoint restores
+exactly what it holds, whatever the rule says.
 
 CPU tensors go through the fused C kernel (``kernel.py``); other devices, and ``use_kernel=False``, through the
 torch reference (``reference.py``). Masters may be fp32 or bf16 (bf16: the update is computed in fp32 and written
@@ -15,23 +10,19 @@ back with deterministic stochastic rounding); gradients may be fp32 or bf16.
 
 from __future__ import annotations
 
-import contextlib
-import math
-import sys
-import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch.optim import Optimizer
 
 from . import kernel as _kernel
 from .reference import mix32, reference_step
+from .state_layout import STATE_TENSORS, choose_8bit, defer_state_allocation, init_state
 
 __all__ = ["HybridAdamW", "defer_state_allocation"]
 
 _FP32_CHUNK = 4096  # elements per kernel work item for fp32-state tensors (fits L1/L2 with its scratch)
-_deferred = threading.local()
-_STATE_TENSORS = ("exp_avg", "exp_avg_sq", "exp_avg_codes", "exp_avg_sq_codes", "exp_avg_absmax", "exp_avg_sq_absmax")
 
 
 class HybridAdamW(Optimizer):
@@ -65,7 +56,6 @@ class HybridAdamW(Optimizer):
         self.seed = seed
         self.num_threads = num_threads
         self._stream_copies: dict[torch.Tensor, torch.Tensor] = {}
-        self._init_lock = threading.Lock()
         all_params = [p for g in self.param_groups for p in g["params"]]
         for p in all_params:
             if p.dtype not in (torch.float32, torch.bfloat16):
@@ -83,38 +73,13 @@ class HybridAdamW(Optimizer):
             except _kernel.KernelUnavailable as e:
                 if use_kernel:
                     raise
-                print(f"[lightning_lazytrain] HybridAdamW falls back to the slow torch path: {e}", file=sys.stderr)
+                warnings.warn(f"HybridAdamW falls back to the slow torch path on the CPU: {e}", stacklevel=2)
 
-    # ----------------------------------------------------------------- layout
     def _choose_8bit(self, params: list[torch.Tensor]) -> set[int]:
-        eligible = [i for i, p in enumerate(params) if p.numel() >= self.min_8bit_numel]
-        if self.eight_bit_fraction >= 1.0:
-            return set(eligible)
-        budget = self.eight_bit_fraction * sum(p.numel() for p in params)
-        chosen, used = set(), 0
-        for i in sorted(eligible, key=lambda i: (-params[i].numel(), i)):
-            if used + params[i].numel() <= budget:
-                chosen.add(i)
-                used += params[i].numel()
-        return chosen
+        return choose_8bit(params, self.eight_bit_fraction, self.min_8bit_numel)
 
     def _init_state(self, p: torch.Tensor, index: int, eight_bit: bool) -> None:
-        st = self.state[p]
-        st["step"] = 0
-        # Per-tensor stochastic-rounding key: fixed by (seed, position), saved, so a resume rounds identically.
-        st["sr_key"] = int(mix32((self.seed * 0x9E3779B1 + index * 0x85EBCA77 + 1) & 0xFFFFFFFF))
-        if getattr(_deferred, "active", False):
-            return
-        if eight_bit:
-            nblk = -(-p.numel() // self.block_size)
-            st["block_size"] = self.block_size
-            st["exp_avg_codes"] = torch.full(p.shape, 127, dtype=torch.uint8, device=p.device)  # code 127 == 0.0
-            st["exp_avg_sq_codes"] = torch.zeros(p.shape, dtype=torch.uint8, device=p.device)  # code 0 == 0.0
-            st["exp_avg_absmax"] = torch.zeros(nblk, dtype=torch.float32, device=p.device)
-            st["exp_avg_sq_absmax"] = torch.zeros(nblk, dtype=torch.float32, device=p.device)
-        else:
-            st["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-            st["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        init_state(self.state[p], p, index, eight_bit, self.block_size, self.seed)
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -127,13 +92,19 @@ class HybridAdamW(Optimizer):
             self._group_of[p] = group
             self._init_state(p, base + j, eight_bit=j in chosen)
 
+    @property
+    def kernel_path(self) -> str:
+        """The update path of CPU tensors: the fused kernel's (``c/avx512vbmi``, ``c/avx512f``, ``c/scalar``)
+        or ``torch`` (the reference path: no kernel, or ``use_kernel=False``)."""
+        return _kernel.kernel_path() if self._use_kernel else "torch"
+
     def is_8bit(self, p: torch.Tensor) -> bool:
         return "exp_avg_codes" in self.state[p]
 
     def state_tensors(self, p: torch.Tensor) -> list[torch.Tensor]:
         """The moment tensors of ``p`` (fp32 moments, or 8-bit codes and their block absmax)."""
         st = self.state.get(p, {})
-        return [st[k] for k in _STATE_TENSORS if k in st]
+        return [st[k] for k in STATE_TENSORS if k in st]
 
     def state_bytes(self) -> int:
         """Bytes held by the moment tensors (what 8-bit states shrink), excluding parameters and grads."""
@@ -268,7 +239,7 @@ class HybridAdamW(Optimizer):
             copy = None if host_copy is None else torch.empty(p.shape, dtype=torch.bfloat16, device=device)
             reference_step(param=param, grad=g, state=moved, copy=copy, **scalars)
             p.detach().copy_(param, non_blocking=True)
-            for k in _STATE_TENSORS:
+            for k in STATE_TENSORS:
                 if k in st:
                     st[k].copy_(moved[k], non_blocking=True)
             if host_copy is not None:
@@ -304,24 +275,3 @@ class HybridAdamW(Optimizer):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self._group_of = {p: g for g in self.param_groups for p in g["params"]}
-        self._init_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def defer_state_allocation() -> Iterator[None]:
-    """HybridAdamWs built inside (on this thread) allocate no moment tensors.
-
-    For an optimizer that only carries hyperparameters while another one, over shards of its parameters, does the
-    updates (several processes): allocating full-size moments on every rank first would need N times the host RAM.
-    """
-    before = getattr(_deferred, "active", False)
-    _deferred.active = True
-    try:
-        yield
-    finally:
-        _deferred.active = before
-
-
-def bias_corrections(beta1: float, beta2: float, step: int) -> tuple[float, float]:
-    """(1 - beta1^t, sqrt(1 - beta2^t)), for callers that want to predict the update (e.g. on the GPU)."""
-    return 1 - beta1**step, math.sqrt(1 - beta2**step)

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -25,12 +25,23 @@ import torch
 
 from .quant import quant_tables
 
-__all__ = ["KernelUnavailable", "load_kernel", "kernel_available", "LtArgs", "kernel_encode", "fast_encoder"]
+__all__ = [
+    "KernelUnavailable",
+    "load_kernel",
+    "kernel_available",
+    "kernel_path",
+    "find_compiler",
+    "LtArgs",
+    "kernel_encode",
+    "fast_encoder",
+]
 
 _SRC = Path(__file__).with_name("_adamw_kernel.c")
-_HEADERS = [Path(__file__).with_name("_adamw_codec.h")]
+_HEADERS = [Path(__file__).with_name(name) for name in ("_adamw_codec.h", "_adamw_fused8.h")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
+_SIMD_PATHS = {0: "c/scalar", 1: "c/avx512f", 2: "c/avx512vbmi"}
 _lock = threading.Lock()
+log = logging.getLogger(__name__)
 _lib: ctypes.CDLL | None = None
 _error: str | None = None
 
@@ -68,7 +79,8 @@ class LtArgs(ctypes.Structure):
     ]
 
 
-def _compiler() -> str | None:
+def find_compiler() -> str | None:
+    """The C compiler the kernel builds with ($CC, gcc, cc or clang), or None when there is none."""
     for name in (os.environ.get("CC"), "gcc", "cc", "clang"):
         if name and shutil.which(name):
             return name
@@ -105,7 +117,7 @@ def _build(cc: str) -> Path:
     if out.exists():
         return out
     cache.mkdir(parents=True, exist_ok=True)
-    print(f"[lightning_lazytrain] building the fused CPU AdamW kernel with {cc} -> {out}", file=sys.stderr)
+    log.info("building the fused CPU AdamW kernel with %s -> %s", cc, out)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         tmp_out = Path(tmp) / out.name
         proc = subprocess.run([cc, *_FLAGS, str(_SRC), "-o", str(tmp_out), "-lm"], capture_output=True, text=True)
@@ -124,7 +136,7 @@ def load_kernel() -> ctypes.CDLL:
         if _error is not None:
             raise KernelUnavailable(_error)
         try:
-            cc = _compiler()
+            cc = find_compiler()
             if cc is None:
                 raise KernelUnavailable(
                     "no C compiler found (tried $CC, gcc, cc, clang): the fused CPU AdamW kernel needs one with "
@@ -142,6 +154,7 @@ def load_kernel() -> ctypes.CDLL:
         lib.lt_encode.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
         lib.lt_encode.restype = None
         lib.lt_fast_encoder.restype = ctypes.c_int
+        lib.lt_simd_level.restype = ctypes.c_int
         tabs = [t.contiguous() for s in (True, False) for t in quant_tables(s)]  # code, thr per map
         lib.lt_set_tables(*[ctypes.c_void_p(t.data_ptr()) for t in tabs])
         _lib = lib
@@ -154,6 +167,15 @@ def kernel_available() -> bool:
         return True
     except KernelUnavailable:
         return False
+
+
+def kernel_path() -> str:
+    """Which update path HybridAdamW takes on CPU tensors here: ``c/avx512vbmi``, ``c/avx512f``, ``c/scalar``
+    (the fused kernel as this machine built it) or ``torch`` (no kernel: the reference path)."""
+    try:
+        return _SIMD_PATHS[load_kernel().lt_simd_level()]
+    except KernelUnavailable:
+        return "torch"
 
 
 def kernel_encode(x: torch.Tensor, signed: bool) -> torch.Tensor:
