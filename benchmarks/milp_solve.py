@@ -17,6 +17,7 @@ import platform
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -62,11 +63,25 @@ def paper_27b() -> ScheduleProblem:
                              budgets=(int(21.55 * GIB), int(15 * GIB), int(32 * GIB)))
 
 
+def with_layer_choices(prob: ScheduleProblem, params: float, graphs_that_fit: int = 6) -> ScheduleProblem:
+    """The same problem with the per-layer choices of `milp_memory.py`: a kept graph holds 36 boundaries' worth
+    (the analytic estimate of `layer_memory.py` for these shapes, bf16: about 36x the hidden state), the working
+    set is 48 boundaries plus the weight gradients, slots hold bf16 weights, 2 prefetch slots; the device total
+    leaves room for the activation budget plus about ``graphs_that_fit`` kept graphs and their slots."""
+    act, n, slot = prob.activation_bytes[0], prob.num_layers, int(2 * params)
+    graph, work = 36 * act, 48 * act + slot
+    total = prob.gpu_budget_bytes + 2 * slot + 4 * slot + work + graphs_that_fit * (graph + slot)
+    return replace(prob, graph_bytes=[graph] * n, working_bytes=[work] * n, slot_bytes=slot, fixed_slots=2,
+                   head_working_bytes=3 * (1 << 29) + 2 * act, gpu_total_bytes=total,
+                   gpu_budget_bytes=prob.gpu_budget_bytes + graphs_that_fit * graph)
+
+
 def cases() -> dict[str, ScheduleProblem]:
     out = {}
     for name, shape in SHAPES.items():
         # Budgets well below "everything on the GPU" so the solver must mix homes and recompute.
         out[f"{name}-L{shape[0]}"] = realistic_problem(*shape, gpu_frac=0.3, cpu_frac=0.25, nvme_frac=0.2)
+        out[f"{name}-L{shape[0]}-layer-choices"] = with_layer_choices(out[f"{name}-L{shape[0]}"], shape[2])
     out["paper-27b-L64"] = paper_27b()
     return out
 
@@ -118,9 +133,11 @@ def main() -> None:
             "objective": s.objective, "predicted_exposed_seconds": s.predicted_exposed_seconds,
             "recompute_seconds": s.info["recompute_seconds"], "slack_seconds": s.info["slack_seconds"],
             "counts": s.counts(), "tiers": "".join(t[0] for t in s.tiers),
+            "kept_graphs": sum(s.keep_graph), "gpu_gib": s.info["gpu_bytes"] / GIB,
         }
         print(f"{name}: {results[name]['solve_seconds_median']:.2f} s  status={s.status}  gap={s.info['mip_gap']:.4f}"
-              f"  counts={s.counts()}  exposed={s.predicted_exposed_seconds:.4f} s", flush=True)
+              f"  counts={s.counts()}  kept graphs={sum(s.keep_graph)}  exposed={s.predicted_exposed_seconds:.4f} s",
+              flush=True)
     sweep = []
     if not args.only and not args.no_sweep:
         # Robustness of the 64-layer solve time: spans x budget mixes x PCIe speed, one solve each.

@@ -1,4 +1,5 @@
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -52,3 +53,20 @@ def test_head_window_hides_last_reloads(head):
     s = solve(p, mip_gap=1e-9)
     assert s.tiers == ["gpu", "cpu", "gpu"]
     assert s.predicted_exposed_seconds == pytest.approx(1.0 - head, abs=1e-6)
+
+
+def test_layer_choice_milp_solves_64_layers_at_1pct_gap():
+    """P6: per-layer kept graphs, slots and working sets on top of the hardest 64-layer case (span 16). Measured
+    4.8 s (1.2 s of it building the model) on the 2-core machine at load 5; the target is 10 s on 2 cores."""
+    p = hard_64_layer_problem(span=16)
+    act, slot = p.activation_bytes[0], int(2 * 350.2e6)
+    graph, work = 36 * act, 48 * act + slot
+    p = replace(p, graph_bytes=[graph] * 64, working_bytes=[work] * 64, slot_bytes=slot, fixed_slots=2,
+                head_working_bytes=3 * (1 << 29) + 2 * act, gpu_budget_bytes=p.gpu_budget_bytes + 6 * graph,
+                gpu_total_bytes=p.gpu_budget_bytes + 6 * slot + work + 6 * (graph + slot))
+    t0 = time.perf_counter()
+    s = solve(p, time_limit=60, mip_gap=0.01)
+    elapsed = time.perf_counter() - t0
+    assert s.status == "optimal" and s.info["mip_gap"] <= 0.01
+    assert 0 < sum(s.keep_graph) < 64 and s.info["gpu_bytes"] <= p.gpu_total_bytes
+    assert elapsed < 30.0  # 3x the target: the CI machine's 2 cores are shared

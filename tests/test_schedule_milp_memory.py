@@ -49,7 +49,7 @@ def plan_cost(p: ScheduleProblem, tiers: list[str], keep: tuple[bool, ...]) -> f
     if gpu_peak(p, tiers, keep) > p.gpu_total_bytes:
         return None
     cost = sum(sum(p.forward_seconds[s : e - 1]) for s, e in blocks)
-    cost -= sum(p.forward_seconds[j] for j in range(n) if keep[j])
+    cost += sum(p.forward_seconds[j] for j in range(n) if not keep[j])  # the backward's re-run of each layer
     for i in range(1, n):
         cost += p.lambda_materialize if tiers[i] != "recompute" else 0.0
         cost += {"cpu": p.lambda_cpu, "nvme": p.lambda_nvme}.get(tiers[i], 0.0)

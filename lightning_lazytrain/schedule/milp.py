@@ -31,7 +31,8 @@ Model as implemented (layers j = 0..L-1, layer j reads boundary j and writes j+1
 ``predicted_exposed_seconds`` = recompute seconds ``sum R x`` + charged slack seconds (the four slack terms), i.e.
 the objective without tie-breakers. PCIe and disk slack of one window are added, not max'ed: an upper estimate.
 Kept graphs, weight slots and each block's transient memory (rebuilt boundaries, working set) are added by
-``milp_memory.py``; a kept graph's saving ``-rho_j k_j`` is in the objective, not in ``predicted_exposed_seconds``.
+``milp_memory.py``; the re-run a kept graph saves, ``rho_j (1 - k_j)``, is in the objective, not in
+``predicted_exposed_seconds``.
 """
 
 from __future__ import annotations
@@ -191,8 +192,11 @@ def _build(p: ScheduleProblem) -> pyo.ConcreteModel:
     m.ties = pyo.Expression(expr=qs(
         p.lambda_materialize * (m.g[i] + m.c[i] + m.n[i]) + p.lambda_cpu * m.c[i] + p.lambda_nvme * m.n[i]
         for i in inner))
+    # Where a layer may keep its graph, its backward's forward-with-grad re-run is a cost it can avoid: counted as
+    # rho_j (1 - k_j), so the objective stays the seconds of re-runs and stalls (and the MIP gap is relative to it).
     m.graph_saving = pyo.Expression(expr=qs(p.forward_seconds[j] * m.k[j] for j in m.k))
-    m.obj = pyo.Objective(expr=m.recompute + m.slack + m.ties - m.graph_saving, sense=pyo.minimize)
+    m.reruns = pyo.Expression(expr=qs(p.forward_seconds[j] * (1 - m.k[j]) for j in m.k))
+    m.obj = pyo.Objective(expr=m.recompute + m.slack + m.ties + m.reruns, sense=pyo.minimize)
     m._edges, m._off, m._rel, m._inner = edges, off_idx, rel_idx, inner
     return m
 

@@ -3,8 +3,8 @@
 Per layer j a binary ``k_j`` (offered where ``ScheduleProblem.may_keep_graph(j)``): layer j keeps its autograd graph
 from the forward, so its backward runs without a re-forward. It needs block (j, j+1) (``k_j <= x(j, j+1)``) and its
 input boundary on the GPU (the graph holds it: ``k_j <= g_j``); it holds ``graph_bytes[j]`` and one weight slot
-until its backward; it saves ``forward_seconds[j]`` of compute (objective ``- rho_j k_j``) and shrinks window j by
-that time and by one of the two weight copies of ``param_h2d_bytes[j]`` (the capacity terms of ``milp.py``).
+until its backward; it saves ``forward_seconds[j]`` of compute (objective ``+ rho_j (1 - k_j)``) and shrinks
+window j by that time and by one of the two weight copies of ``param_h2d_bytes[j]`` (the capacity terms of ``milp.py``).
 
 GPU bytes, two rows:
 
