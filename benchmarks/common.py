@@ -25,7 +25,11 @@ SHAPES = {
                        num_key_value_heads=4, tie_word_embeddings=False),
     "qwen2.5-14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
                         num_key_value_heads=8, tie_word_embeddings=False),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, tie_word_embeddings=False),  # CPU dry runs of the scripts
 }
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
 
 
 def qwen_config(shape: str) -> Qwen2Config:
@@ -33,7 +37,7 @@ def qwen_config(shape: str) -> Qwen2Config:
                        **SHAPES[shape])
 
 
-def random_model(shape: str, device: str = "cuda", dtype: torch.dtype = torch.float32):
+def random_model(shape: str, device: str = DEVICE, dtype: torch.dtype = torch.float32):
     torch.manual_seed(0)
     with torch.device(device):
         return AutoModelForCausalLM.from_config(qwen_config(shape), dtype=dtype)
@@ -41,14 +45,17 @@ def random_model(shape: str, device: str = "cuda", dtype: torch.dtype = torch.fl
 
 def cap_gpu_memory(gib: float) -> None:
     """Emulate a smaller GPU (80 GiB: H800-class, 24 GiB: 3090-class) on the H200."""
+    if not GPU:
+        return
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total))
 
 
 def host_model(shape: str, dtype: torch.dtype = torch.float32):
     """A random-init model initialised on the GPU (fast) and handed over in host memory, as lazytrain takes it."""
-    model = random_model(shape, "cuda", torch.bfloat16).to("cpu", dtype)
-    torch.cuda.empty_cache()
+    model = random_model(shape, DEVICE, torch.bfloat16).to("cpu", dtype)
+    if GPU:
+        torch.cuda.empty_cache()
     return model
 
 
@@ -86,8 +93,8 @@ class NullUpdate(torch.optim.Optimizer):
 
 
 class BenchModule(pl.LightningModule):
-    """optimizer: 'adamw' (torch, fused), 'hybrid0' / 'hybrid1' (HybridAdamW, 8-bit fraction 0 / 1), 'deepspeed'
-    (DeepSpeedCPUAdam), 'null'."""
+    """optimizer: 'adamw' (torch, fused on the CPU), 'adamw-default' (torch's defaults), 'hybrid0' / 'hybrid1'
+    (HybridAdamW, 8-bit fraction 0 / 1), 'deepspeed' (DeepSpeedCPUAdam), 'null'."""
 
     def __init__(self, model, optimizer: str = "adamw") -> None:
         super().__init__()
@@ -109,8 +116,20 @@ class BenchModule(pl.LightningModule):
             from lightning_lazytrain.optim import HybridAdamW
 
             return HybridAdamW(self.parameters(), eight_bit_fraction=float(self.optimizer_name[6:]), **kw)
+        if self.optimizer_name == "adamw-default":
+            return torch.optim.AdamW(self.parameters(), **kw)
         on_cpu = next(self.model.parameters()).device.type == "cpu"
         return torch.optim.AdamW(self.parameters(), fused=True if on_cpu else None, **kw)
+
+
+class WallEvent:
+    """A CPU stand-in for a CUDA timing event, for dry runs without a GPU."""
+
+    def __init__(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, other: WallEvent) -> float:
+        return (other.t - self.t) * 1e3
 
 
 class StepTimer(pl.Callback):
@@ -124,6 +143,8 @@ class StepTimer(pl.Callback):
         self.plan = None
 
     def _event(self) -> torch.cuda.Event:
+        if not GPU:
+            return WallEvent()
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
@@ -142,7 +163,8 @@ class StepTimer(pl.Callback):
         self.rss_max = max(self.rss_max, psutil.Process().memory_info().rss)
 
     def summary(self, warmup: int) -> dict:
-        torch.cuda.synchronize()
+        if GPU:
+            torch.cuda.synchronize()
         rows = self.marks[warmup:]
         starts = [m[0] for m in self.marks]
         step = [starts[i].elapsed_time(starts[i + 1]) / 1e3 for i in range(warmup, len(starts) - 1)]
@@ -161,7 +183,7 @@ class StepTimer(pl.Callback):
 
 def run_fit(module, strategy, precision: str, data, timer: StepTimer, **kw) -> None:
     """One Lightning fit with the timer; ``kw`` goes to the Trainer (e.g. gradient_clip_val)."""
-    trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=strategy, precision=precision,
+    trainer = pl.Trainer(accelerator="gpu" if GPU else "cpu", devices=1, strategy=strategy, precision=precision,
                          max_steps=len(data), logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[timer], num_sanity_val_steps=0, **kw)
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))

@@ -20,7 +20,18 @@ import sys
 import traceback
 
 import torch
-from common import RandomTokens, StepTimer, cap_gpu_memory, commit, machine, model_flops_per_token, qwen_config, run_fit
+from common import (
+    GPU,
+    RandomTokens,
+    StepTimer,
+    cap_gpu_memory,
+    commit,
+    machine,
+    model_flops_per_token,
+    qwen_config,
+    run_fit,
+)
+from probe import HostPeakSampler, trainer_facts
 from systems import SYSTEMS, build, work_ratio
 
 import lightning_lazytrain  # noqa: F401
@@ -63,19 +74,22 @@ def one_run(system: str, shape: str, batch: int, cap: float | None, steps: int, 
     gc.collect()
     torch.cuda.empty_cache()
     cap_gpu_memory(cap if cap is not None else 1e9)
-    torch.cuda.reset_peak_memory_stats()
+    if GPU:
+        torch.cuda.reset_peak_memory_stats()
     timer = StepTimer()
-    try:
-        run = _fit(system, shape, batch, steps, timer, host_cache, fp32_adamw=True)
-    except Exception as exc:
-        if system == "lazytrain-interval4" and type(exc).__name__ == "AdmissionError":
-            timer = StepTimer()  # the MegaTrain policy with fp32 states does not fit this host: 8-bit states
-            try:
-                run = _fit(system, shape, batch, steps, timer, host_cache, fp32_adamw=False)
-            except Exception as exc2:
-                return _failed(row, exc2)
-        else:
-            return _failed(row, exc)
+    sampler = HostPeakSampler()
+    with sampler:
+        try:
+            run = _fit(system, shape, batch, steps, timer, host_cache, fp32_adamw=True)
+        except Exception as exc:
+            if system == "lazytrain-interval4" and type(exc).__name__ == "AdmissionError":
+                timer = StepTimer()  # the MegaTrain policy with fp32 states does not fit this host: 8-bit states
+                try:
+                    run = _fit(system, shape, batch, steps, timer, host_cache, fp32_adamw=False)
+                except Exception as exc2:
+                    return _failed(row, exc2)
+            else:
+                return _failed(row, exc)
     s = timer.summary(warmup)
     engine = s["engine"]
     tokens = batch * SEQ
@@ -88,7 +102,9 @@ def one_run(system: str, shape: str, batch: int, cap: float | None, steps: int, 
         "status": "ok", "optimizer": run.optimizer, "note": run.note, "step_s": s["step_s"],
         "tokens_per_s": tokens / s["step_s"], "model_tflops": fpt * tokens / s["step_s"] / 1e12,
         "executed_tflops": fpt * tokens * ratio / s["step_s"] / 1e12, "work_ratio": ratio,
-        "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30, "host_peak_gib": s["host_rss_max_gib"],
+        "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if GPU else 0.0,
+        "host_peak_gib": sampler.peak_gib, "host_rss_at_batch_end_gib": s["host_rss_max_gib"],
+        **trainer_facts(run.module),
         "stall_fraction": stall / s["step_s"], "predicted_exposed_s": engine.get("predicted_exposed_s"),
         "breakdown": {"compute_s": max(0.0, s["step_s"] - stall - waits - s["optimizer_s"]),
                       "h2d_d2h_wait_s": stall, "update_wait_s": waits, "optimizer_after_backward_s": s["optimizer_s"],

@@ -10,13 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from common import BenchModule, host_model, random_model
+from common import BenchModule, host_model, qwen_config, random_model
 
 from lightning_lazytrain import LazyTrainStrategy
 
 SYSTEMS = ("gpu-resident", "gpu-resident-ckpt", "lazytrain", "lazytrain-gpu-updates", "lazytrain-interval4",
            "lazytrain-interval4-overlap",
-           "fsdp-cpu-offload", "deepspeed-z3-offload")
+           "fsdp-cpu-offload", "fsdp-cpu-offload-fused", "deepspeed-z3-offload", "deepspeed-z3-offload-fair")
 
 
 @dataclass
@@ -65,14 +65,25 @@ def build(system: str, shape: str, batch: int, host_cache: dict, fp32_adamw: boo
                          "bf16-mixed", "torch AdamW fp32 (CPU), after backward" if fp32_adamw else
                          "HybridAdamW 8-bit, after backward", clip,
                          "" if fp32_adamw else "fp32 AdamW states refused by admission control; 8-bit states")
-    if system == "fsdp-cpu-offload":
+    if system in ("fsdp-cpu-offload", "fsdp-cpu-offload-fused"):
         from lightning.pytorch.strategies import FSDPStrategy
 
         model = host_model(shape)
         layer = _decoder_layer_class(model)
         strategy = FSDPStrategy(cpu_offload=True, auto_wrap_policy={layer}, activation_checkpointing_policy={layer})
-        return SystemRun(BenchModule(model, "adamw"), strategy, "bf16-mixed", "torch AdamW (CPU)", {},
+        fused = system.endswith("fused")
+        return SystemRun(BenchModule(model, "adamw" if fused else "adamw-default"), strategy, "bf16-mixed",
+                         "torch AdamW fused=True (CPU)" if fused else "torch AdamW defaults (CPU)", {},
                          "unclipped: Lightning's FSDPPrecision refuses gradient_clip_algorithm='norm'")
+    if system == "deepspeed-z3-offload-fair":
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        # as DeepSpeed's ZeRO-3 offload docs advise: pinned host buffers, the model built under zero.Init
+        # (Lightning enters it around configure_model), optimizer steps in sub-groups of 1e9 parameters
+        strategy = DeepSpeedStrategy(stage=3, offload_optimizer=True, offload_parameters=True, pin_memory=True,
+                                     sub_group_size=int(1e9), logging_batch_size_per_gpu=batch)
+        return SystemRun(ZeroInitModule(shape), strategy, "bf16-mixed", "DeepSpeedCPUAdam", clip,
+                         "pin_memory=True, zero.Init via configure_model, sub_group_size=1e9")
     if system == "deepspeed-z3-offload":
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
@@ -84,11 +95,31 @@ def build(system: str, shape: str, batch: int, host_cache: dict, fp32_adamw: boo
     raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
 
 
+class ZeroInitModule(BenchModule):
+    """Builds its model in ``configure_model``, where Lightning's DeepSpeed strategy has zero.Init active, so the
+    full model never exists in one place."""
+
+    def __init__(self, shape: str) -> None:
+        super().__init__(None, "deepspeed")
+        self.shape = shape
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(qwen_config(self.shape), dtype=torch.bfloat16)
+        model.gradient_checkpointing_enable()
+        self.model = model
+
+
 def work_ratio(system: str, plan) -> float:
     """Executed / model FLOPs of the decoder stack: forward + backward is 3 forwards' worth of work; every layer
     that does not keep its graph re-runs its forward with grad in the backward, and a recompute block re-runs
     its inner layers once more without grad."""
-    if system in ("gpu-resident-ckpt", "fsdp-cpu-offload", "deepspeed-z3-offload"):
+    if system in ("gpu-resident-ckpt", "fsdp-cpu-offload", "fsdp-cpu-offload-fused", "deepspeed-z3-offload",
+                  "deepspeed-z3-offload-fair"):
         return 4 / 3
     if plan is None:
         return 1.0
