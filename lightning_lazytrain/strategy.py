@@ -32,6 +32,7 @@ from lightning_lazytrain.engine.weights.shared_store import SharedParamStore
 from lightning_lazytrain.faults import GpuMemoryError, gpu_out_of_memory
 from lightning_lazytrain.memory import admission
 from lightning_lazytrain.models import adapter_for
+from lightning_lazytrain.oom_ladder import OomLadder, discard_step, milp_resolver
 from lightning_lazytrain.optim import NonFiniteGuard
 from lightning_lazytrain.optim.hybrid_adamw import defer_state_allocation
 from lightning_lazytrain.parallel import ProcessGroupStrategy
@@ -80,6 +81,9 @@ class LazyTrainStrategy(ProcessGroupStrategy):
             once per evaluation when they fit beside the KV cache (plain HF decoding speed; freed before training
             resumes) and otherwise streams them once per decode step for as many prompts as fit; ``"resident"`` /
             ``"streamed"`` force one. The choice and its bytes are printed.
+        oom_fallback_steps: an out-of-memory error in the first N optimizer steps re-plans one rung down (smaller
+            GPU budget, more recompute, CPU/NVMe homes; ``lightning_lazytrain/oom_ladder.py``) and runs the step
+            again; 0 stops at the first.
 
     With ``devices=N`` / ``num_nodes=M`` every process streams through its own device, and master weights,
     gradients and optimizer states are sharded across processes (``docs/engine.md``, "Several GPUs").
@@ -106,6 +110,7 @@ class LazyTrainStrategy(ProcessGroupStrategy):
         solver_time_limit: float = 10.0,
         solver_mip_gap: float = 0.01,
         generation: GenerationMode = "auto",
+        oom_fallback_steps: int = 3,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
@@ -135,6 +140,7 @@ class LazyTrainStrategy(ProcessGroupStrategy):
         self.schedule_result: Schedule | None = None
         self.resume = ResumeState()
         self.admission_report: AdmissionReport | None = None
+        self.oom_ladder = OomLadder(steps=oom_fallback_steps)
 
     @property
     def schedule(self) -> str:
@@ -358,6 +364,17 @@ class LazyTrainStrategy(ProcessGroupStrategy):
         described = f"{counts}, {plan.graph_layers} layers keep their graph" if plan is not None else "not set"
         return gpu_out_of_memory(exc, free, self.resume.plan_shape, described)
 
+    def _fallback_plan(self):
+        """The next rung's plan while the ladder applies (one process, first steps, no accumulation), else None."""
+        trainer = self.lightning_module.trainer
+        if (self.executor is None or self.distributed or trainer.global_step >= self.oom_ladder.steps
+                or trainer.accumulate_grad_batches != 1):
+            return None
+        shape = self.resume.plan_shape
+        resolve = milp_resolver(self.plan_settings, self.executor, shape) if (
+            self.plan_settings.kind() == "milp" and shape is not None) else None
+        return self.oom_ladder.next_plan(self.executor.plan, self.plan_settings.spill_dir, resolve)
+
     def _drain_gradients(self) -> None:
         if self.executor is not None:
             self.executor.after_backward()
@@ -365,10 +382,19 @@ class LazyTrainStrategy(ProcessGroupStrategy):
     def optimizer_step(
         self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
     ) -> Any:
-        try:
-            result = super().optimizer_step(optimizer, closure, model, **kwargs)
-        except torch.OutOfMemoryError as exc:
-            raise self._out_of_memory(exc) from exc
+        while True:
+            try:
+                result = super().optimizer_step(optimizer, closure, model, **kwargs)
+                break
+            except torch.OutOfMemoryError as exc:
+                plan = self._fallback_plan()
+                if plan is None:
+                    raise self._out_of_memory(exc) from exc
+            # outside the except block: the failed step's frames, and the GPU memory they held, are gone
+            discard_step(self.executor)
+            if self.root_device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.executor.set_plan(plan, self.num_slots)
         if self.executor is not None:
             self.executor.after_optimizer_step()
             stats = {**self.executor.take_stats(), "skipped_steps": float(self.skipped_steps)}

@@ -1,0 +1,119 @@
+"""Out of GPU memory in the first steps: re-plan one rung down and run the step again, instead of stopping.
+
+Rungs, in order, each logged; a rung that would not change the plan is skipped:
+
+1. ``smaller GPU budget``: an MILP plan is solved again with half the GPU activation budget; any other plan drops
+   its kept graphs (the largest GPU holders beyond the boundaries).
+2. ``more recompute``: every other saved interior boundary is recomputed instead, and no graph is kept.
+3. ``CPU/NVMe homes``: every saved interior boundary still on the GPU moves to the CPU (alternately to NVMe when a
+   spill dir is set).
+
+When no rung is left, or after the first ``steps`` optimizer steps, the error is today's ``GpuMemoryError``. A
+smaller micro-batch with accumulation (a fourth rung) is not built: it needs the training loop to split batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+from lightning_lazytrain.engine import StackPlan, StreamingExecutor
+from lightning_lazytrain.engine.grads.direct import DirectGradSink
+from lightning_lazytrain.engine.grads.sharded import ShardedGradSink
+
+log = logging.getLogger(__name__)
+RUNGS = ("smaller GPU budget", "more recompute", "CPU/NVMe homes")
+
+
+def drop_graphs(plan: StackPlan) -> StackPlan:
+    return StackPlan(plan.homes, (False,) * plan.num_layers)
+
+
+def more_recompute(plan: StackPlan) -> StackPlan:
+    homes, saved = list(plan.homes), [i for i, h in enumerate(plan.homes[1:-1], start=1) if h != "recompute"]
+    for i in saved[::2]:
+        homes[i] = "recompute"
+    return StackPlan(tuple(homes), (False,) * plan.num_layers)
+
+
+def host_homes(plan: StackPlan, spill_dir: str | None) -> StackPlan:
+    homes = list(plan.homes)
+    on_gpu = [i for i, h in enumerate(homes[1:-1], start=1) if h == "gpu" and not _graph_input(plan, i)]
+    for k, i in enumerate(on_gpu):
+        homes[i] = "nvme" if spill_dir is not None and k % 2 else "cpu"
+    return StackPlan(tuple(homes), plan.keep_graph)
+
+
+def _graph_input(plan: StackPlan, i: int) -> bool:
+    return i < plan.num_layers and plan.keep_graph[i]
+
+
+@dataclasses.dataclass
+class OomLadder:
+    """``resolve(gpu_fraction)`` re-solves the MILP with that share of the GPU activation budget (None when the
+    plan is not an MILP plan)."""
+
+    steps: int = 3
+    rung: int = 0
+    taken: list[str] = dataclasses.field(default_factory=list)
+
+    def next_plan(
+        self, plan: StackPlan, spill_dir: str | None, resolve: Callable[[float], StackPlan | None] | None
+    ) -> StackPlan | None:
+        """The plan of the next rung that changes ``plan``, or None when none is left."""
+        while self.rung < len(RUNGS):
+            name, self.rung = RUNGS[self.rung], self.rung + 1
+            if name == RUNGS[0]:
+                candidate = (resolve(0.5) if resolve is not None else None) or drop_graphs(plan)
+            elif name == RUNGS[1]:
+                candidate = more_recompute(plan)
+            else:
+                candidate = host_homes(plan, spill_dir)
+            if candidate != plan:
+                self.taken.append(name)
+                log.warning(
+                    "lazytrain: out of GPU memory; fallback rung %d (%s): plan %s, %d kept graphs",
+                    self.rung,
+                    name,
+                    _counts(candidate),
+                    candidate.graph_layers,
+                )
+                return candidate
+        return None
+
+
+def _counts(plan: StackPlan) -> dict[str, int]:
+    return {h: plan.homes.count(h) for h in sorted(set(plan.homes))}
+
+
+def discard_step(executor: StreamingExecutor) -> None:
+    """Forget what a step that failed half-way left behind: its gradients (landed or queued), the resident leaves'
+    gradients, recorded layer calls, and the slot pool (slots it acquired are never released)."""
+    sink = executor.sink
+    if isinstance(sink, (DirectGradSink, ShardedGradSink)):
+        sink.take_norm_sq()
+        for unit in executor.store.units:
+            unit.has_grads = False
+            unit.device_grads = unit.grad_refs = None
+    else:
+        sink.flush()
+        for unit in executor.store.units:
+            for entry in unit.unique:
+                entry.param.grad = None
+    for leaf in executor._resident_leaves or []:
+        leaf.grad = None
+    executor._pending = []
+    executor.pool = None
+
+
+def milp_resolver(settings, executor: StreamingExecutor, shape: tuple[int, int]) -> Callable[[float], StackPlan]:
+    """``resolve(fraction)``: the MILP solved again for ``shape`` with ``fraction`` of the current GPU budget."""
+    from lightning_lazytrain.planner import GIB, budgets, plan_of, solve_plan
+
+    def resolve(fraction: float) -> StackPlan:
+        gpu = budgets(settings, executor)[0] * fraction
+        settings.gpu_activation_gib = gpu / GIB  # later rungs and re-plans keep the smaller budget
+        return plan_of(solve_plan(settings, executor, *shape))
+
+    return resolve

@@ -1,0 +1,76 @@
+"""The out-of-memory fallback ladder: an OOM injected in the first steps (torch.OutOfMemoryError raised from a
+forward hook inside a decoder layer) walks the rungs in order, and training continues with a plain run's numbers."""
+
+import logging
+
+import pytest
+import torch
+from helpers import batches, rel_diff, tiny_model, train
+from test_engine_updates import HybridModule
+
+import lightning_lazytrain  # noqa: F401
+from lightning_lazytrain import LazyTrainStrategy
+from lightning_lazytrain.faults import GpuMemoryError
+from lightning_lazytrain.oom_ladder import RUNGS
+
+
+def _failing(model, failures: int) -> dict:
+    """Make the first ``failures`` calls of layer 1's MLP raise an OOM (a closure: deepcopy keeps the counter)."""
+    left = {"n": failures}
+
+    def hook(module, args):
+        if left["n"] > 0:
+            left["n"] -= 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    model.model.layers[1].mlp.register_forward_pre_hook(hook)
+    return left
+
+
+@pytest.mark.parametrize("module_cls", [None, HybridModule], ids=["torch-adamw", "engine-updates"])
+def test_three_ooms_walk_the_rungs_and_training_matches_plain(caplog, tmp_path, module_cls):
+    model, data = tiny_model("qwen2"), batches(3)
+    ref, _ = train(model, data, strategy=LazyTrainStrategy(schedule="interval:1"), module_cls=module_cls)
+    failing = tiny_model("qwen2")
+    left = _failing(failing, 3)
+    strategy = LazyTrainStrategy(schedule="interval:1", keep_graph_layers=2, spill_dir=str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="lightning_lazytrain.oom_ladder"):
+        lt, trainer = train(failing, data, strategy=strategy, module_cls=module_cls)
+    assert left["n"] == 0 and strategy.oom_ladder.taken == list(RUNGS)
+    rungs = [r.getMessage() for r in caplog.records if "fallback rung" in r.getMessage()]
+    assert [m.split("(")[1].split(")")[0] for m in rungs] == list(RUNGS), rungs
+    assert rel_diff(lt.model, ref.model) <= 1e-6
+    assert trainer.global_step == 3
+
+
+def test_last_rung_plan_is_the_expected_one():
+    from lightning_lazytrain.engine import StackPlan
+    from lightning_lazytrain.oom_ladder import OomLadder
+
+    ladder, plan, seen = OomLadder(), StackPlan.every(4, 1, 2), []
+    while (plan := ladder.next_plan(plan, "/spill", None) or None) is not None:
+        seen.append((plan.homes, plan.keep_graph))
+    assert seen == [
+        (("gpu",) * 5, (False,) * 4),
+        (("gpu", "recompute", "gpu", "recompute", "gpu"), (False,) * 4),
+        (("gpu", "recompute", "cpu", "recompute", "gpu"), (False,) * 4),
+    ]
+
+
+def test_ooms_past_the_last_rung_stop_with_todays_message():
+    model = tiny_model("qwen2")
+    _failing(model, 100)
+    strategy = LazyTrainStrategy(schedule="interval:1")
+    with pytest.raises(GpuMemoryError, match="out of memory inside a training step") as err:
+        train(model, batches(2), strategy=strategy)
+    assert "a smaller batch with accumulate_grad_batches" in str(err.value)
+    assert strategy.oom_ladder.taken == ["more recompute", "CPU/NVMe homes"]  # no graphs to drop: rung 1 skipped
+
+
+def test_no_fallback_after_the_first_steps():
+    model = tiny_model("qwen2")
+    _failing(model, 1)
+    strategy = LazyTrainStrategy(schedule="interval:1", oom_fallback_steps=0)
+    with pytest.raises(GpuMemoryError):
+        train(model, batches(2), strategy=strategy)
+    assert strategy.oom_ladder.taken == []
