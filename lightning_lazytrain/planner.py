@@ -16,7 +16,7 @@ import psutil
 
 from lightning_lazytrain.engine import StackPlan, StreamingExecutor
 from lightning_lazytrain.engine.device import device_free_bytes
-from lightning_lazytrain.schedule import Schedule, build_problem, profile_model, solve
+from lightning_lazytrain.schedule import Profile, Schedule, build_problem, profile_model, solve
 
 log = logging.getLogger(__name__)
 GIB = 2**30
@@ -73,11 +73,13 @@ def plan_of(schedule: Schedule) -> StackPlan:
     return StackPlan(tuple(schedule.tiers), tuple(schedule.keep_graph))
 
 
-def solve_plan(settings: PlanSettings, executor: StreamingExecutor, batch: int, seq: int) -> Schedule:
-    """Profile, build and solve the MILP for this batch shape on this machine."""
-    with executor.unhooked():
-        profile = profile_model(executor.adapter, batch, seq, executor.device, executor.store.stream_dtype,
-                                spill_dir=settings.spill_dir)
+def solve_plan(settings: PlanSettings, executor: StreamingExecutor, batch: int, seq: int,
+               profile: Profile | None = None) -> Schedule:
+    """Profile (unless ``profile`` is given: a re-plan), build and solve the MILP for this batch shape here."""
+    if profile is None:
+        with executor.unhooked():
+            profile = profile_model(executor.adapter, batch, seq, executor.device, executor.store.stream_dtype,
+                                    spill_dir=settings.spill_dir)
     gpu, cpu, nvme = budgets(settings, executor)
     n, forced = executor.adapter.num_layers, settings.keep_graph_layers
     if forced > n:
@@ -92,6 +94,7 @@ def solve_plan(settings: PlanSettings, executor: StreamingExecutor, batch: int, 
                             slot_bytes=slot_bytes, fixed_slots=max(1, executor.prefetch_depth),
                             head_working_bytes=head)
     schedule = solve(problem, time_limit=settings.solver_time_limit, mip_gap=settings.solver_mip_gap)
+    schedule.profile = profile  # what it was solved for: a re-plan starts from it
     log.info("lazytrain plan: %s, predicted exposed %.3f s", schedule.counts(), schedule.predicted_exposed_seconds)
     return schedule
 

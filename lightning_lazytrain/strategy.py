@@ -28,6 +28,7 @@ from lightning_lazytrain.checkpoint.atomic import AtomicCheckpointIO, CorruptChe
 from lightning_lazytrain.engine import StreamingExecutor
 from lightning_lazytrain.engine.device import device_free_bytes
 from lightning_lazytrain.engine.generation import EvalGeneration
+from lightning_lazytrain.engine.link import measure_link_cuda
 from lightning_lazytrain.engine.weights.shared_store import SharedParamStore
 from lightning_lazytrain.faults import GpuMemoryError, gpu_out_of_memory
 from lightning_lazytrain.memory import admission
@@ -38,6 +39,7 @@ from lightning_lazytrain.optim.hybrid_adamw import defer_state_allocation
 from lightning_lazytrain.parallel import ProcessGroupStrategy
 from lightning_lazytrain.planner import PlanSettings, initial_plan, plan_of, solve_plan, write_plan
 from lightning_lazytrain.precision import LazyTrainPrecision
+from lightning_lazytrain.replan import LinkDrift
 from lightning_lazytrain.resume import STATE_KEY, ResumeState, fallback_for_last
 from lightning_lazytrain.schedule import AdmissionReport, Schedule
 from lightning_lazytrain.schedule.generation import GENERATION_MODES, GenerationMode
@@ -84,6 +86,8 @@ class LazyTrainStrategy(ProcessGroupStrategy):
         oom_fallback_steps: an out-of-memory error in the first N optimizer steps re-plans one rung down (smaller
             GPU budget, more recompute, CPU/NVMe homes; ``lightning_lazytrain/oom_ladder.py``) and runs the step
             again; 0 stops at the first.
+        replan_every_n_steps: with ``schedule="milp"`` on CUDA, probe the link every N steps and solve the plan
+            again when it drifted from the profile by more than 25% (``lightning_lazytrain/replan.py``); 0: never.
 
     With ``devices=N`` / ``num_nodes=M`` every process streams through its own device, and master weights,
     gradients and optimizer states are sharded across processes (``docs/engine.md``, "Several GPUs").
@@ -111,6 +115,7 @@ class LazyTrainStrategy(ProcessGroupStrategy):
         solver_mip_gap: float = 0.01,
         generation: GenerationMode = "auto",
         oom_fallback_steps: int = 3,
+        replan_every_n_steps: int = 50,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
@@ -141,6 +146,7 @@ class LazyTrainStrategy(ProcessGroupStrategy):
         self.resume = ResumeState()
         self.admission_report: AdmissionReport | None = None
         self.oom_ladder = OomLadder(steps=oom_fallback_steps)
+        self.link_drift = LinkDrift(every=replan_every_n_steps)
 
     @property
     def schedule(self) -> str:
@@ -331,7 +337,10 @@ class LazyTrainStrategy(ProcessGroupStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.on_validation_end()
         self.resume.before_batch()
-        if self.plan_settings.kind() != "milp" or self.schedule_result is not None or self.executor is None:
+        if self.plan_settings.kind() != "milp" or self.executor is None:
+            return
+        if self.schedule_result is not None:
+            self._maybe_replan()
             return
         ids = batch["input_ids"] if isinstance(batch, Mapping) else getattr(batch, "input_ids", None)
         if ids is None:
@@ -347,6 +356,21 @@ class LazyTrainStrategy(ProcessGroupStrategy):
         trainer = self.lightning_module.trainer
         path = write_plan(self.schedule_result, trainer.log_dir or trainer.default_root_dir)
         log.info("lazytrain: plan for batch %d x %d written to %s", batch_size, seq, path)
+
+    def _maybe_replan(self) -> None:
+        """At a step boundary: solve again when the link drifted from the profile the plan was solved for."""
+        trainer = self.lightning_module.trainer
+        if self.link_drift.probe is None and self.root_device.type == "cuda":
+            self.link_drift.probe = functools.partial(measure_link_cuda, self.root_device)
+        profile = self.link_drift.check(trainer.global_step, getattr(self.schedule_result, "profile", None))
+        if profile is None or self.resume.plan_shape is None:
+            return
+        self.schedule_result = solve_plan(self.plan_settings, self.executor, *self.resume.plan_shape, profile=profile)
+        self.executor.set_plan(plan_of(self.schedule_result), self.num_slots)
+        path = write_plan(self.schedule_result, trainer.log_dir or trainer.default_root_dir)
+        log.warning("lazytrain: re-planned at step %d: %s, predicted exposed %.3f s, written to %s",
+                    trainer.global_step, self.schedule_result.counts(),
+                    self.schedule_result.predicted_exposed_seconds, path)
 
     def model_to_device(self) -> None:
         """Parameters stay on the host; the executor moves what a step needs."""
