@@ -118,4 +118,8 @@ def test_3b_plan_with_cpu_and_nvme_homes_predicted_vs_measured_stall(tmp_path):
         f"predicted {predicted:.4f} s"
     )
     assert stall_s <= 0.05 * step_s  # measured 2.4% at commit a278320
+    idle_s = sum(r["gpu_idle_s"] for _, r in steady) / len(steady)
+    busy_s = sum(r["gpu_layer_busy_s"] for _, r in steady) / len(steady)
+    print(f"GPU from CUDA events: layers busy {busy_s:.3f} s, idle inside the stack {idle_s:.3f} s")
+    assert 0 < busy_s and 0 <= idle_s and busy_s + idle_s <= step_s
     assert os.listdir(spill) == []

@@ -26,6 +26,7 @@ class DeviceQueues:
             self.h2d = self.d2h = None
         self._stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._stall_carry = 0.0
+        self._busy: list[tuple[torch.cuda.Event, torch.cuda.Event] | None] = []  # None ends a span
 
     def compute_stream(self) -> torch.cuda.Stream | None:
         return torch.cuda.current_stream(self.device) if self.is_cuda else None
@@ -67,12 +68,53 @@ class DeviceQueues:
         return carry + sum(a.elapsed_time(b) for a, b in done) / 1e3
 
     @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """Bracket compute-stream work (one layer's kernels) with timing events; a no-op off CUDA."""
+        if not self.is_cuda:
+            yield
+            return
+        start = self.record(timing=True)
+        try:
+            yield
+        finally:
+            self._busy.append((start, self.record(timing=True)))
+
+    def end_span(self) -> None:
+        """Close the current span of bracketed work (the stack's forward, or its backward): the time between spans
+        (embedding, head and loss) is neither busy nor idle here."""
+        if self.is_cuda and self._busy and self._busy[-1] is not None:
+            self._busy.append(None)
+
+    def take_busy_idle_seconds(self) -> tuple[float, float] | None:
+        """(busy, idle) seconds of the compute stream over the closed spans that completed since the last call:
+        busy is the sum of the brackets, idle the rest of each span from its first start to its last end (waits
+        for transfers, for the host to launch the next layer, for updates). None off CUDA."""
+        if not self.is_cuda:
+            return None
+        busy = idle = 0.0
+        while None in self._busy and self._busy[self._busy.index(None) - 1][1].query():
+            cut = self._busy.index(None)
+            span, self._busy = self._busy[:cut], self._busy[cut + 1 :]
+            b, i = busy_idle_seconds(span)
+            busy, idle = busy + b, idle + i
+        return busy, idle
+
+    @contextlib.contextmanager
     def on(self, stream: torch.cuda.Stream | None) -> Iterator[None]:
         if stream is None:
             yield
         else:
             with torch.cuda.stream(stream):
                 yield
+
+
+def busy_idle_seconds(pairs: list) -> tuple[float, float]:
+    """(busy, idle) seconds from ordered (start, end) timing-event pairs of one stream (``elapsed_time`` in ms)."""
+    if not pairs:
+        return 0.0, 0.0
+    busy = sum(a.elapsed_time(b) for a, b in pairs) / 1e3
+    span = pairs[0][0].elapsed_time(pairs[-1][1]) / 1e3
+    return busy, max(0.0, span - busy)
 
 
 def host_wait(event: torch.cuda.Event | None, what: str, timeout_s: float) -> None:

@@ -274,7 +274,9 @@ class StreamingExecutor:
         device_busy = sum(u.update_busy_seconds for u in self.store.units if u.update_on_device)
         for unit in self.store.units:
             unit.update_wait_seconds = unit.update_busy_seconds = 0.0
-        return {"layer_h2d_copies": float(copies), "h2d_gib": h2d / 2**30, "d2h_gib": d2h / 2**30,
+        gpu = self.queues.take_busy_idle_seconds()  # CUDA events; absent on the CPU
+        gpu_stats = {} if gpu is None else {"gpu_layer_busy_s": gpu[0], "gpu_idle_s": gpu[1]}
+        return {**gpu_stats, "layer_h2d_copies": float(copies), "h2d_gib": h2d / 2**30, "d2h_gib": d2h / 2**30,
                 "stall_s": self.queues.take_stall_seconds(), "update_wait_s": waited,
                 "update_busy_s": busy, "device_update_busy_s": device_busy,
                 **{f"act_{k}": float(v) for k, v in homes.items() if k != "host_buffers"}}

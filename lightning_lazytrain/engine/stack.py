@@ -83,7 +83,7 @@ class StackRun:
     def _layer(self, j: int, hidden: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
         ex = self.ctx
         layer, unit, call = ex.layers[j], ex.units[j], self.calls[j]
-        with bound(unit, weights):
+        with bound(unit, weights), ex.queues.busy():
             out = type(layer).forward(layer, hidden, *call.args, **call.kwargs)
         return out[0] if isinstance(out, tuple) else out
 
@@ -121,6 +121,7 @@ class StackRun:
                 homes.put(j + 1, x)
         if training:
             homes.flush()
+        ex.queues.end_span()
         return x
 
     def _needed(self, boundary: int) -> bool:
@@ -171,11 +172,13 @@ class StackRun:
                 prefetch(cursor)
         ex.homes.clear()
         self.rng.clear()
+        ex.queues.end_span()
         return grad
 
     def _backprop(self, j: int, out: torch.Tensor, x: torch.Tensor, leaves: list[torch.Tensor], grad: torch.Tensor):
         trainable = [leaf for leaf in leaves if leaf.requires_grad]
-        grads = torch.autograd.grad(out, [x, *trainable], grad, allow_unused=True)
+        with self.ctx.queues.busy():
+            grads = torch.autograd.grad(out, [x, *trainable], grad, allow_unused=True)
         it = iter(grads[1:])
         weight_grads = [next(it) if leaf.requires_grad else None for leaf in leaves]
         self.ctx.sink.submit(self.ctx.units[j], weight_grads)
