@@ -97,7 +97,7 @@ def one_run(system: str, shape: str, batch: int, cap: float | None, steps: int, 
     ratio = work_ratio(system, timer.plan)
     stall = engine.get("stall_s", 0.0)
     waits = engine.get("update_wait_s", 0.0)
-    schedule = getattr(run.strategy, "schedule_result", None)
+    schedule = getattr(getattr(run.strategy, "resume", None), "schedule_result", None)
     row.update({
         "status": "ok", "optimizer": run.optimizer, "note": run.note, "step_s": s["step_s"],
         "tokens_per_s": tokens / s["step_s"], "model_tflops": fpt * tokens / s["step_s"] / 1e12,

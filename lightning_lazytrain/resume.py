@@ -16,16 +16,14 @@ import os
 import random
 import re
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from lightning_lazytrain.checkpoint.atomic import CorruptCheckpointError, find_last_good
+from lightning_lazytrain.optim import NonFiniteGuard
 from lightning_lazytrain.schedule import Schedule
-
-if TYPE_CHECKING:
-    from lightning_lazytrain.strategy import LazyTrainStrategy
 
 STATE_KEY = "lazytrain"
 #: the names ``trainer.fit(ckpt_path="last")`` resolves to (ModelCheckpoint's ``last.ckpt``, ``last-v1.ckpt``, ...)
@@ -71,29 +69,35 @@ def set_rng_states(states: dict[str, Any]) -> None:
 
 
 class ResumeState:
-    """The strategy's part of a checkpoint: written by :meth:`dump`, read back by :meth:`load`."""
+    """The run state that a checkpoint carries beyond Lightning's: written by :meth:`dump`, read by :meth:`load`.
+
+    It owns what it saves: the skipped-step count, the non-finite guard and the solved plan with its batch shape.
+    """
 
     def __init__(self) -> None:
+        self.skipped_steps = 0
+        self.nonfinite_guard = NonFiniteGuard()
+        self.schedule_result: Schedule | None = None
         self.plan_shape: tuple[int, int] | None = None
         self._pending_rng: dict[str, Any] | None = None
         self._saved_plan: tuple[tuple[int, int], str] | None = None
 
-    def dump(self, strategy: LazyTrainStrategy) -> dict[str, Any]:
+    def dump(self) -> dict[str, Any]:
         state: dict[str, Any] = {
-            "skipped_steps": strategy.skipped_steps,
-            "nonfinite_guard": strategy.nonfinite_guard.state_dict(),
+            "skipped_steps": self.skipped_steps,
+            "nonfinite_guard": self.nonfinite_guard.state_dict(),
             "rng": rng_states(),
         }
-        if strategy.schedule_result is not None and self.plan_shape is not None:
-            state["plan"] = {"shape": list(self.plan_shape), "schedule": strategy.schedule_result.to_json()}
+        if self.schedule_result is not None and self.plan_shape is not None:
+            state["plan"] = {"shape": list(self.plan_shape), "schedule": self.schedule_result.to_json()}
         return state
 
-    def load(self, strategy: LazyTrainStrategy, state: dict[str, Any] | None) -> None:
+    def load(self, state: dict[str, Any] | None) -> None:
         """Counters now; the random streams and the plan wait for the first batch (:meth:`before_batch`)."""
         if state is None:
             return  # a checkpoint from a plain Lightning run: nothing of ours to restore
-        strategy.skipped_steps = state["skipped_steps"]
-        strategy.nonfinite_guard.load_state_dict(state["nonfinite_guard"])
+        self.skipped_steps = state["skipped_steps"]
+        self.nonfinite_guard.load_state_dict(state["nonfinite_guard"])
         self._pending_rng = state["rng"]
         plan = state.get("plan")
         self._saved_plan = (tuple(plan["shape"]), plan["schedule"]) if plan else None

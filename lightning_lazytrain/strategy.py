@@ -34,7 +34,6 @@ from lightning_lazytrain.faults import GpuMemoryError, gpu_out_of_memory
 from lightning_lazytrain.memory import admission
 from lightning_lazytrain.models import adapter_for
 from lightning_lazytrain.oom_ladder import OomLadder, discard_step, milp_resolver
-from lightning_lazytrain.optim import NonFiniteGuard
 from lightning_lazytrain.optim.hybrid_adamw import defer_state_allocation
 from lightning_lazytrain.parallel import ProcessGroupStrategy
 from lightning_lazytrain.planner import PlanSettings, initial_plan, plan_of, solve_plan, write_plan
@@ -130,8 +129,6 @@ class LazyTrainStrategy(ProcessGroupStrategy):
         if device_update_share is not None and not 0.0 <= device_update_share <= 1.0:
             raise ValueError(f"device_update_share must be in [0, 1] or None (automatic), got {device_update_share}")
         self.device_update_share = device_update_share
-        self.nonfinite_guard = NonFiniteGuard()
-        self.skipped_steps = 0
         if generation not in GENERATION_MODES:
             raise ValueError(f"generation must be one of {GENERATION_MODES}, got {generation!r}")
         self.generation_mode = generation
@@ -142,7 +139,6 @@ class LazyTrainStrategy(ProcessGroupStrategy):
                                           nvme_activation_gib, spill_dir, max_recompute_span, solver_time_limit,
                                           solver_mip_gap)
         self.plan_settings.kind()
-        self.schedule_result: Schedule | None = None
         self.resume = ResumeState()
         self.admission_report: AdmissionReport | None = None
         self.oom_ladder = OomLadder(steps=oom_fallback_steps)
@@ -151,6 +147,11 @@ class LazyTrainStrategy(ProcessGroupStrategy):
     @property
     def schedule(self) -> str:
         return self.plan_settings.schedule
+
+    @property
+    def schedule_result(self) -> Schedule | None:
+        """The solved plan the run follows (owned by ``resume``, which saves it with the checkpoint)."""
+        return self.resume.schedule_result
 
     @property
     def checkpoint_io(self) -> CheckpointIO:
@@ -273,14 +274,14 @@ class LazyTrainStrategy(ProcessGroupStrategy):
 
         def direct_step(clip_val: float | None) -> None:
             try:
-                stepped = self.executor.direct_step(clip_val, self.nonfinite_guard, trainer_ref.global_step)
+                stepped = self.executor.direct_step(clip_val, self.resume.nonfinite_guard, trainer_ref.global_step)
             except RuntimeError as exc:
                 reason = str(exc).rstrip(".")
                 raise RuntimeError(f"{reason}. Last good checkpoint: {_last_checkpoint(trainer_ref)}") from exc
             if not stepped:
-                self.skipped_steps += 1
+                self.resume.skipped_steps += 1
                 log.warning("lazytrain: non-finite gradient norm at step %d, step skipped (%d so far)",
-                            trainer_ref.global_step, self.skipped_steps)
+                            trainer_ref.global_step, self.resume.skipped_steps)
 
         precision.direct_step = direct_step
 
@@ -299,7 +300,7 @@ class LazyTrainStrategy(ProcessGroupStrategy):
         return super().optimizer_state(optimizer)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
-        checkpoint[STATE_KEY] = self.resume.dump(self)
+        checkpoint[STATE_KEY] = self.resume.dump()
         if not self.distributed:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         assert self.executor is not None
@@ -317,7 +318,7 @@ class LazyTrainStrategy(ProcessGroupStrategy):
             except CorruptCheckpointError as err:
                 # fit(ckpt_path="last") resolved to a last*.ckpt that does not verify: take the newest one that does
                 checkpoint = super().load_checkpoint(fallback_for_last(str(checkpoint_path), err), weights_only)
-        self.resume.load(self, checkpoint.get(STATE_KEY))
+        self.resume.load(checkpoint.get(STATE_KEY))
         return checkpoint
 
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -339,7 +340,7 @@ class LazyTrainStrategy(ProcessGroupStrategy):
         self.resume.before_batch()
         if self.plan_settings.kind() != "milp" or self.executor is None:
             return
-        if self.schedule_result is not None:
+        if self.resume.schedule_result is not None:
             self._maybe_replan()
             return
         ids = batch["input_ids"] if isinstance(batch, Mapping) else getattr(batch, "input_ids", None)
@@ -348,13 +349,13 @@ class LazyTrainStrategy(ProcessGroupStrategy):
         batch_size, seq = ids.shape[0], ids.shape[-1]
         self.resume.plan_shape = (batch_size, seq)
         saved = self.resume.saved_plan((batch_size, seq))
-        self.schedule_result = saved or solve_plan(self.plan_settings, self.executor, batch_size, seq)
-        self.executor.set_plan(plan_of(self.schedule_result), self.num_slots)
+        self.resume.schedule_result = saved or solve_plan(self.plan_settings, self.executor, batch_size, seq)
+        self.executor.set_plan(plan_of(self.resume.schedule_result), self.num_slots)
         if saved is not None:
             log.info("lazytrain: running the plan saved in the checkpoint for batch %d x %d", batch_size, seq)
             return
         trainer = self.lightning_module.trainer
-        path = write_plan(self.schedule_result, trainer.log_dir or trainer.default_root_dir)
+        path = write_plan(self.resume.schedule_result, trainer.log_dir or trainer.default_root_dir)
         log.info("lazytrain: plan for batch %d x %d written to %s", batch_size, seq, path)
 
     def _maybe_replan(self) -> None:
@@ -362,15 +363,15 @@ class LazyTrainStrategy(ProcessGroupStrategy):
         trainer = self.lightning_module.trainer
         if self.link_drift.probe is None and self.root_device.type == "cuda":
             self.link_drift.probe = functools.partial(measure_link_cuda, self.root_device)
-        profile = self.link_drift.check(trainer.global_step, getattr(self.schedule_result, "profile", None))
+        profile = self.link_drift.check(trainer.global_step, getattr(self.resume.schedule_result, "profile", None))
         if profile is None or self.resume.plan_shape is None:
             return
-        self.schedule_result = solve_plan(self.plan_settings, self.executor, *self.resume.plan_shape, profile=profile)
-        self.executor.set_plan(plan_of(self.schedule_result), self.num_slots)
-        path = write_plan(self.schedule_result, trainer.log_dir or trainer.default_root_dir)
+        self.resume.schedule_result = solve_plan(self.plan_settings, self.executor, *self.resume.plan_shape, profile=profile)
+        self.executor.set_plan(plan_of(self.resume.schedule_result), self.num_slots)
+        path = write_plan(self.resume.schedule_result, trainer.log_dir or trainer.default_root_dir)
         log.warning("lazytrain: re-planned at step %d: %s, predicted exposed %.3f s, written to %s",
-                    trainer.global_step, self.schedule_result.counts(),
-                    self.schedule_result.predicted_exposed_seconds, path)
+                    trainer.global_step, self.resume.schedule_result.counts(),
+                    self.resume.schedule_result.predicted_exposed_seconds, path)
 
     def model_to_device(self) -> None:
         """Parameters stay on the host; the executor moves what a step needs."""
@@ -421,9 +422,9 @@ class LazyTrainStrategy(ProcessGroupStrategy):
             self.executor.set_plan(plan, self.num_slots)
         if self.executor is not None:
             self.executor.after_optimizer_step()
-            stats = {**self.executor.take_stats(), "skipped_steps": float(self.skipped_steps)}
-            if self.schedule_result is not None:
-                stats["predicted_exposed_s"] = float(self.schedule_result.predicted_exposed_seconds)
+            stats = {**self.executor.take_stats(), "skipped_steps": float(self.resume.skipped_steps)}
+            if self.resume.schedule_result is not None:
+                stats["predicted_exposed_s"] = float(self.resume.schedule_result.predicted_exposed_seconds)
             self.last_step_stats = stats
         return result
 

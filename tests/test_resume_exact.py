@@ -96,27 +96,27 @@ def test_sampler_refuses_a_state_for_other_data():
 def test_strategy_state_round_trips_through_a_checkpoint_file(tmp_path):
     """Skipped-step counters and the solved plan come back from disk (weights_only); the plan only for its shape."""
     saving = LazyTrainStrategy(schedule="milp")
-    saving.skipped_steps = 2
-    saving.nonfinite_guard.consecutive, saving.nonfinite_guard.skipped = 1, 2
-    saving.schedule_result = interval_schedule(4, 2)
+    saving.resume.skipped_steps = 2
+    saving.resume.nonfinite_guard.consecutive, saving.resume.nonfinite_guard.skipped = 1, 2
+    saving.resume.schedule_result = interval_schedule(4, 2)
     saving.resume.plan_shape = (2, 16)
     io, path = AtomicCheckpointIO(), tmp_path / "s.ckpt"
-    io.save_checkpoint({STATE_KEY: saving.resume.dump(saving)}, path)
+    io.save_checkpoint({STATE_KEY: saving.resume.dump()}, path)
     loading = LazyTrainStrategy(schedule="milp")
-    loading.resume.load(loading, io.load_checkpoint(path)[STATE_KEY])
-    assert loading.skipped_steps == 2
-    assert loading.nonfinite_guard.state_dict() == saving.nonfinite_guard.state_dict()
-    assert loading.resume.saved_plan((2, 16)).tiers == saving.schedule_result.tiers
+    loading.resume.load(io.load_checkpoint(path)[STATE_KEY])
+    assert loading.resume.skipped_steps == 2
+    assert loading.resume.nonfinite_guard.state_dict() == saving.resume.nonfinite_guard.state_dict()
+    assert loading.resume.saved_plan((2, 16)).tiers == saving.resume.schedule_result.tiers
     assert loading.resume.saved_plan((4, 16)) is None
 
 
 def test_random_streams_are_restored_at_the_first_resumed_batch():
     saving = LazyTrainStrategy()
     torch.manual_seed(1), random.seed(1), np.random.seed(1)
-    state = saving.resume.dump(saving)
+    state = saving.resume.dump()
     expected = (torch.rand(3), random.random(), np.random.rand())
     loading = LazyTrainStrategy()
-    loading.resume.load(loading, state)
+    loading.resume.load(state)
     torch.manual_seed(2), random.seed(2), np.random.seed(2)  # what setup may consume in between
     loading.resume.before_batch()
     assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]

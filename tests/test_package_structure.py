@@ -1,0 +1,122 @@
+"""The package's import graph: every module imports on its own, no two modules import each other (directly or
+round a loop, type-only imports counted: they are coupling too), and the library never imports the application."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pathlib
+
+import lightning_lazytrain
+
+ROOT = pathlib.Path(lightning_lazytrain.__file__).parent
+LIBRARY = (
+    "strategy",
+    "precision",
+    "parallel",
+    "resume",
+    "memory",
+    "planner",
+    "faults",
+    "engine",
+    "schedule",
+    "optim",
+    "models",
+    "checkpoint",
+)
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    found = {}
+    for path in ROOT.rglob("*.py"):
+        parts = ["lightning_lazytrain", *path.relative_to(ROOT).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def _imports(name: str, path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
+    """The package modules ``name`` names in any import statement (top level, type-only or inside a function)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    named = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            named.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                named.add(sub if sub in modules else base)
+    return {m for m in named if m in modules and m != name}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_cycle_finder_finds_a_loop_of_three():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle_inside_the_package():
+    modules = _modules()
+    assert len(modules) > 80  # the walk found the package, subpackages included
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    assert graph["lightning_lazytrain.engine.executor"] >= {"lightning_lazytrain.engine.stack"}
+    assert _cycles(graph) == []
+
+
+def test_every_module_imports():
+    for name in sorted(_modules()):
+        importlib.import_module(name)
+
+
+def test_the_library_imports_nothing_from_the_application():
+    modules = _modules()
+    library = {n: p for n, p in modules.items() if n.count(".") and n.split(".")[1] in LIBRARY}
+    assert {n.split(".")[1] for n in library} == set(LIBRARY)
+    offenders = {
+        n: sorted(m for m in _imports(n, p, modules) if m.startswith("lightning_lazytrain.sft"))
+        for n, p in library.items()
+    }
+    assert {n: m for n, m in offenders.items() if m} == {}
+
+
+def test_public_imports_keep_working():
+    names = ("LazyTrainStrategy", "LazyTrainPrecision", "HybridAdamW", "CausalLMModule", "SFTDataModule")
+    package = importlib.import_module("lightning_lazytrain")
+    assert all(callable(getattr(package, n)) for n in names)
