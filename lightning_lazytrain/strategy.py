@@ -366,7 +366,8 @@ class LazyTrainStrategy(ProcessGroupStrategy):
         profile = self.link_drift.check(trainer.global_step, getattr(self.resume.schedule_result, "profile", None))
         if profile is None or self.resume.plan_shape is None:
             return
-        self.resume.schedule_result = solve_plan(self.plan_settings, self.executor, *self.resume.plan_shape, profile=profile)
+        shape = self.resume.plan_shape
+        self.resume.schedule_result = solve_plan(self.plan_settings, self.executor, *shape, profile=profile)
         self.executor.set_plan(plan_of(self.resume.schedule_result), self.num_slots)
         path = write_plan(self.resume.schedule_result, trainer.log_dir or trainer.default_root_dir)
         log.warning("lazytrain: re-planned at step %d: %s, predicted exposed %.3f s, written to %s",
