@@ -17,9 +17,9 @@ import psutil
 from lightning_lazytrain.engine import StackPlan, StreamingExecutor
 from lightning_lazytrain.engine.device import device_free_bytes
 from lightning_lazytrain.schedule import Profile, Schedule, build_problem, profile_model, solve
+from lightning_lazytrain.units import GIB
 
 log = logging.getLogger(__name__)
-GIB = 2**30
 
 
 @dataclass

@@ -224,7 +224,7 @@ class StreamingExecutor:
         is 0 on the CPU.
         """
         units = self.store.units
-        itemsize = torch.empty((), dtype=self.store.stream_dtype).element_size()
+        itemsize = self.store.stream_dtype.itemsize
         self.device_update_reserve_bytes = assign_device_updates(units, optimizer, device_update_share, self.device,
                                                                  itemsize)
         self.sink.close()

@@ -84,7 +84,7 @@ class EvalGeneration:
         self._model = model
         self._had_own = "generate" in model.__dict__
         self._generate = model.generate
-        self._costs = generation_costs(model.config, torch.empty((), dtype=executor.store.stream_dtype).element_size())
+        self._costs = generation_costs(model.config, executor.store.stream_dtype.itemsize)
         controller = self
 
         def generate(model: Any, inputs: torch.Tensor | None = None, **kwargs: Any) -> Any:
@@ -107,7 +107,7 @@ class EvalGeneration:
 
     @property
     def weights_bytes(self) -> int:
-        item = torch.empty((), dtype=self.executor.store.stream_dtype).element_size()
+        item = self.executor.store.stream_dtype.itemsize
         return sum(u.numel for u in self.executor.layer_units) * item
 
     def plan(self, prompts: int, prompt_tokens: int, new_tokens: int) -> GenerationPlan:

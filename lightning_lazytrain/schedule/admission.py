@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-GIB = float(1 << 30)
+from lightning_lazytrain.units import GIB
+
 PRECISIONS = ("bf16-mixed", "bf16-true", "32-true")
 
 

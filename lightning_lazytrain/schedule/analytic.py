@@ -43,7 +43,7 @@ def analytic_profile(
     Works on a model built on the meta device (only shapes are read).
     """
     config = adapter.model.config
-    itemsize = torch.empty((), dtype=stream_dtype).element_size()
+    itemsize = stream_dtype.itemsize
     tokens, types = batch * seq, adapter.layer_types()
     rate = gpu.bf16_tflops * 1e12 * achieved_fraction
     numel = [_unique_numel(layer) for layer in adapter.layers]
@@ -123,7 +123,7 @@ class GpuLayout:
 
 def gpu_layout(adapter: ModelAdapter, batch: int, seq: int, stream_dtype: torch.dtype = torch.bfloat16) -> GpuLayout:
     config = adapter.model.config
-    itemsize = torch.empty((), dtype=stream_dtype).element_size()
+    itemsize = stream_dtype.itemsize
     slot = max(_unique_numel(layer) for layer in adapter.layers) * itemsize
     layer_ids = {id(p) for layer in adapter.layers for p in layer.parameters()}
     resident = sum(p.numel() for p in {id(p): p for p in adapter.model.parameters()}.values() if id(p) not in layer_ids)

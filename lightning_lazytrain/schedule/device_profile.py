@@ -42,7 +42,7 @@ def measured_profile(
         torch.cuda.empty_cache()
     per_kind = dict(zip(kinds, measured.forward_seconds))
     memory = dict(zip(kinds, zip(measured.graph_bytes, measured.working_bytes)))
-    itemsize = torch.empty((), dtype=stream_dtype).element_size()
+    itemsize = stream_dtype.itemsize
     act = batch * seq * adapter.model.config.hidden_size * itemsize
     return replace(
         measured,

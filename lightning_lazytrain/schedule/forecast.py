@@ -140,7 +140,7 @@ def budgets(run: RunSpec, machine: Machine, batch: int) -> tuple[int, int, int, 
         gpu = max(0, free // 2)
         worst_slots = run.keep_graph_layers + run.max_recompute_span + max(1, run.prefetch_depth)
         room = max(0, machine.gpu.memory_bytes - layout.fixed_bytes(worst_slots))
-        itemsize = torch.empty((), dtype=run.stream_dtype).element_size()
+        itemsize = run.stream_dtype.itemsize
         every_boundary = (
             (run.adapter.num_layers + 1) * batch * run.seq * run.adapter.model.config.hidden_size * itemsize
         )

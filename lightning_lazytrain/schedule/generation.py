@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-GIB = float(1 << 30)
+from lightning_lazytrain.units import GIB
+
 GenerationMode = Literal["auto", "resident", "streamed"]
 GENERATION_MODES = ("auto", "resident", "streamed")
 #: share of the free device memory a generation plan may take: the caching allocator rounds and fragments

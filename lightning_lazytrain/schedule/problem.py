@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
-GIB = float(1 << 30)
+from lightning_lazytrain.units import GIB as GIB
 
 
 def _check_list(name: str, values: list, length: int, *, integral: bool) -> None:

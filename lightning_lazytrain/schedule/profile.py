@@ -180,7 +180,7 @@ def _measure(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, 
              spill_dir: str | None) -> Profile:
     """Measure (CUDA) or estimate (otherwise) everything; no caching here."""
     config = adapter.model.config
-    itemsize = torch.empty((), dtype=stream_dtype).element_size()
+    itemsize = stream_dtype.itemsize
     n, tokens, types = adapter.num_layers, batch * seq, adapter.layer_types()
     numel = [_unique_numel(layer) for layer in adapter.layers]
     cuda = device.type == "cuda"

@@ -32,8 +32,8 @@ from lightning_lazytrain.sft.data.sft import SFTDataModule
 from lightning_lazytrain.sft.module import CausalLMModule
 from lightning_lazytrain.sft.plan_model import meta_model, model_config
 from lightning_lazytrain.sft.plan_report import render
+from lightning_lazytrain.units import GIB
 
-GIB = float(1 << 30)
 UPDATE_GPARAMS_PER_S = 4.0  # HybridAdamW, bf16 grads + clip + stream copy, 16-core H200 host (optim_cpu_16core.json)
 
 

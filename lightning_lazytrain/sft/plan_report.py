@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from lightning_lazytrain.schedule.forecast import MAX_BATCH
+from lightning_lazytrain.units import GIB
 
-GIB = float(1 << 30)
 _TIER_NAMES = {"host": "host RAM", "gpu": "GPU", "disk": "spill disk", "checkpoint": "ckpt disk"}
 _LETTER = {"gpu": "G", "cpu": "C", "nvme": "N", "recompute": "r"}
 

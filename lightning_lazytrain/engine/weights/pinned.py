@@ -35,7 +35,7 @@ class PinnedAllocator:
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         if not self.enabled or numel == 0:
             return torch.empty(numel, dtype=dtype)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         tensor = torch.empty(numel, dtype=dtype)
         if _register(tensor, nbytes):
             self._registered.append(tensor)

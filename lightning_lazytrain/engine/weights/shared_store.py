@@ -86,7 +86,7 @@ class SharedParamStore(HostParamStore):
     def _open_shared(self, numel: int, units: list[list[ParamEntry]], shm_dir: str | None) -> torch.Tensor:
         topo = self.topology
         self.path = os.path.join(shm_dir or "/dev/shm", f"lazytrain-{topo.token}-node{topo.node_rank}.bin")
-        nbytes = numel * torch.empty((), dtype=self.stream_dtype).element_size()
+        nbytes = numel * self.stream_dtype.itemsize
         shared = None
         if topo.local_rank == 0:
             _reserve(self.path, nbytes)
