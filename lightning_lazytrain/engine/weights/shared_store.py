@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_lazytrain.engine.weights.pinned import PinnedAllocator
 from lightning_lazytrain.engine.weights.store import HostParamStore, ParamEntry, ParamUnit, collect_entries
 from lightning_lazytrain.engine.weights.topology import Topology
 
@@ -54,8 +53,11 @@ class SharedParamStore(HostParamStore):
         topology: Topology,
         shm_dir: str | None = None,
     ) -> None:
-        self.master_dtype, self.stream_dtype, self.topology = master_dtype, stream_dtype, topology
-        self.pinned = PinnedAllocator(enabled=pin)
+        self.topology, self.shm_dir = topology, shm_dir or os.environ.get("LAZYTRAIN_SHM_DIR")
+        super().__init__(groups, master_dtype, stream_dtype, pin)
+
+    def _build_units(self, groups: list[tuple[str, list[nn.Module]]]) -> list[ParamUnit]:
+        topology = self.topology
         flat = [collect_entries(mods) for _, mods in groups]
         _check_same_weights([label for label, _ in groups], [u for _, u, _ in flat], topology)
         self.layouts: list[ShardLayout] = []
@@ -65,11 +67,11 @@ class SharedParamStore(HostParamStore):
             start = topology.rank * shard
             self.layouts.append(ShardLayout(total, shard * topology.world_size, start, start + shard, end))
             end += -(-shard * topology.world_size // _ALIGN) * _ALIGN
-        self.shared = self._open_shared(end, [u for _, u, _ in flat], shm_dir or os.environ.get("LAZYTRAIN_SHM_DIR"))
-        if pin and not self.pinned.register(self.shared):
+        self.shared = self._open_shared(end, [u for _, u, _ in flat], self.shm_dir)
+        if self.pinned.enabled and not self.pinned.register(self.shared):
             log.warning("lazytrain: could not pin the shared streamed copy; weight copies to the GPU will be slower")
-        self.units = [self._shared_unit(i, label, entries, unique)
-                      for i, ((label, _), (entries, unique, _)) in enumerate(zip(groups, flat))]
+        return [self._shared_unit(i, label, entries, unique)
+                for i, ((label, _), (entries, unique, _)) in enumerate(zip(groups, flat))]
 
     @property
     def shared_bytes(self) -> int:

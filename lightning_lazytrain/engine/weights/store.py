@@ -91,7 +91,10 @@ class HostParamStore:
         self.master_dtype = master_dtype
         self.stream_dtype = stream_dtype
         self.pinned = PinnedAllocator(enabled=pin)
-        self.units: list[ParamUnit] = [self._build_unit(i, label, mods) for i, (label, mods) in enumerate(groups)]
+        self.units: list[ParamUnit] = self._build_units(groups)
+
+    def _build_units(self, groups: list[tuple[str, list[nn.Module]]]) -> list[ParamUnit]:
+        return [self._build_unit(i, label, mods) for i, (label, mods) in enumerate(groups)]
 
     def _build_unit(self, index: int, label: str, modules: list[nn.Module]) -> ParamUnit:
         entries, unique, total = collect_entries(modules)
