@@ -135,7 +135,7 @@ class EvalGeneration:
         plan = self.plan(ids.shape[0] * widen, ids.shape[1], new_tokens)
         plan = _per_prompt(plan, widen, ids.shape[0])
         self.last_plan = plan
-        key = (plan.mode, plan.batch_size, plan.kv_on_device)
+        key = (plan.mode, plan.kv_on_device, plan.batches > 1)  # once per run, again only when the choice changes
         if key != self._announced:
             rank_zero_info(f"lazytrain generation: {plan.describe()}")
             self._announced = key

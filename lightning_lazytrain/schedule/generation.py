@@ -84,7 +84,7 @@ class GenerationPlan:
     def describe(self) -> str:
         kv_home = "device" if self.kv_on_device else "host"
         how = "forced" if self.forced else "chosen"
-        weights = f"layer weights {self.weights_bytes / GIB:.2f} GiB"
+        weights = f"layer weights {_size(self.weights_bytes)}"
         if self.mode == "resident":
             head = f"resident ({how}): {weights} loaded once per evaluation"
             need = self.weights_bytes + self.kv_bytes + self.activation_bytes
@@ -92,11 +92,15 @@ class GenerationPlan:
             head = f"streamed, batched ({how}): {weights} stream once per decode step"
             need = self.kv_bytes + self.activation_bytes if self.kv_on_device else self.activation_bytes
         return (
-            f"{head} + KV cache {self.kv_bytes / GIB:.2f} GiB on the {kv_home} + activations"
-            f" {self.activation_bytes / GIB:.2f} GiB = {need / GIB:.2f} GiB on the device of"
+            f"{head} + KV cache {_size(self.kv_bytes)} on the {kv_home} + activations"
+            f" {_size(self.activation_bytes)} = {_size(need)} on the device of"
             f" {self.device_free_bytes / GIB:.2f} GiB free; {self.prompts} prompts in {self.batches} batch(es)"
             f" of up to {self.batch_size}"
         )
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB / 10 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _kv(costs: GenerationCosts, batch: int, total_tokens: int) -> int:
