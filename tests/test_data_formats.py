@@ -176,3 +176,24 @@ def test_preview_brackets_exactly_the_trained_text():
     text = describe_sample(tok, ex)
     assert text.endswith("<|im_start|>user\nWhat is 1 + 1?<|im_end|>\n<|im_start|>assistant\n[[2<|im_end|>\n]]")
     assert f"({len(ex.input_ids)} tokens, 3 trained on" in text.splitlines()[0]
+
+
+def test_the_models_own_tokenizer_and_template_are_the_default(tmp_path):
+    from types import SimpleNamespace
+
+    from lightning_lazytrain.sft.data import DataSettingError, SFTDataModule
+
+    _tok(LLAMA3_TEMPLATE, llama=True).save_pretrained(tmp_path / "model")
+
+    def attached(dm, hparams):
+        dm.trainer = SimpleNamespace(lightning_module=SimpleNamespace(hparams=hparams))
+        return dm
+
+    own = attached(SFTDataModule(), {"pretrained": str(tmp_path / "model")}).tokenizer
+    assert own.chat_template == LLAMA3_TEMPLATE and own.bos_token == "<|begin_of_text|>"
+    named = attached(SFTDataModule(tokenizer="qwen2.5"), {"pretrained": str(tmp_path / "model")}).tokenizer
+    assert "<|im_start|>" in named.chat_template  # an explicit data.tokenizer wins
+    assert "<|im_start|>" in attached(SFTDataModule(), {"pretrained": None}).tokenizer.chat_template
+    (tmp_path / "weights_only").mkdir()
+    with pytest.raises(DataSettingError, match="(?s)tokenizer of model.pretrained=.*Set data.tokenizer"):
+        _ = attached(SFTDataModule(), {"pretrained": str(tmp_path / "weights_only")}).tokenizer
