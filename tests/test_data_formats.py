@@ -197,3 +197,22 @@ def test_the_models_own_tokenizer_and_template_are_the_default(tmp_path):
     (tmp_path / "weights_only").mkdir()
     with pytest.raises(DataSettingError, match="(?s)tokenizer of model.pretrained=.*Set data.tokenizer"):
         _ = attached(SFTDataModule(), {"pretrained": str(tmp_path / "weights_only")}).tokenizer
+
+
+def test_several_processes_tokenize_to_the_same_examples():
+    tok = _tok()
+    records = [Record.pair(f"What is {i} + 2?", f"The answer is: {i + 2}") for i in range(40)]
+    one, skipped_one = tokenize_records(tok, records, 64, chunk_size=8)
+    many, skipped_many = tokenize_records(tok, records, 64, num_proc=2, chunk_size=8)
+    assert skipped_one == skipped_many == 0 and len(one) == len(many) == 40
+    for a, b in zip(one, many):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels) and a.answer == b.answer
+
+
+def test_generation_stops_at_the_templates_end_of_turn():
+    from lightning_lazytrain.sft.data.tokenizer import end_of_turn_id
+
+    qwen, llama = _tok(), _tok(LLAMA3_TEMPLATE, llama=True)
+    assert end_of_turn_id(qwen) == 151645  # <|im_end|>
+    assert end_of_turn_id(llama) == llama.convert_tokens_to_ids("<|eot_id|>")
+    assert end_of_turn_id(_tok(PLAIN_CHAT_TEMPLATE)) == qwen.eos_token_id

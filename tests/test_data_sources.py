@@ -53,7 +53,7 @@ def test_a_dataset_name_goes_to_load_dataset_with_split_revision_and_cache(tmp_p
         return datasets.Dataset.from_list(ROWS)
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    records = read_records(DataSource("meta-math/MetaMathQA", "train", "abc123", str(tmp_path)))
+    records = read_records(DataSource("hf:meta-math/MetaMathQA", "train", "abc123", str(tmp_path)))
     assert calls == [("meta-math/MetaMathQA", "train", "abc123", str(tmp_path))]
     assert [(r.prompt, r.source, r.line) for r in records][:2] == [
         ("What is 0 + 1?", "meta-math/MetaMathQA[train]", 1),
@@ -64,10 +64,10 @@ def test_a_dataset_name_goes_to_load_dataset_with_split_revision_and_cache(tmp_p
 def test_an_unknown_dataset_name_offline_is_a_data_path_error(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    with pytest.raises(DataPathError, match="nobody-here/no-such-set: datasets.load_dataset failed.*data_split"):
-        read_records("nobody-here/no-such-set")
-    with pytest.raises(DataPathError, match="does not exist"):
-        read_records("./missing/file.parquet")
+    with pytest.raises(DataPathError, match="hf:nobody-here/no-such-set: datasets.load_dataset failed.*data_split"):
+        read_records("hf:nobody-here/no-such-set")
+    with pytest.raises(DataPathError, match="does not exist.*hf:owner/name"):
+        read_records("meta-math/MetaMathQA")  # without hf: a path, as in the recipes' data/MetaMathQA
 
 
 def test_second_setup_reads_the_cache_and_calls_the_tokenizer_zero_times(tmp_path, tok, monkeypatch):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_lazytrain.sft.data.errors import DataError, DataFormatError, EmptyDataError
-from lightning_lazytrain.sft.data.sources import DataSource, data_files, iter_rows
+from lightning_lazytrain.sft.data.sources import DataSource, data_files, is_dataset_name, iter_rows
 
 FORMATS = ("auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text", "metamath", "custom")
 #: the role of a plain-text record's single turn
@@ -257,7 +257,7 @@ def read_records(path: str | Path | DataSource, fields: FieldMap | None = None, 
     records = records_from_rows(iter_rows(source), fields or FieldMap(), fmt)
     if not records:
         local = Path(source.path).expanduser()
-        names = ", ".join(str(f) for f in data_files(local, source.split)) if local.exists() else source.path
+        names = source.path if is_dataset_name(source.path) else ", ".join(map(str, data_files(local, source.split)))
         raise EmptyDataError(
             "no records (the data files are empty or hold only blank lines)",
             "Point data_path at the data, or check the download finished",

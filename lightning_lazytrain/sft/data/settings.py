@@ -64,5 +64,5 @@ def check_settings(settings: Mapping[str, Any], check_path: bool = False) -> Non
                                "Use 'all' (train every assistant turn) or 'last' (only the last one)")
     if check_path and "data_path" in settings:
         path = str(settings["data_path"])
-        if path in _SHIPPED or not is_dataset_name(path):  # a dataset name is checked when it is loaded
+        if not is_dataset_name(path):  # a hub dataset is checked when it is loaded
             data_files(resolve_data_path(path), str(settings.get("data_split") or "train"))

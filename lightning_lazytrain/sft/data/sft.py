@@ -50,8 +50,9 @@ class SFTDataModule(pl.LightningDataModule):
     """SFT data for ``CausalLMModule``: chat, instruction, completion or plain-text rows (docs/recipes.md).
 
     Args:
-        data_path: a .jsonl/.json/.parquet/.csv file, a folder of them (a local hub download), a dataset name for
-            ``datasets.load_dataset`` (``data_split``, ``data_revision``, ``data_cache_dir``), or ``"demo"``.
+        data_path: a .jsonl/.json/.parquet/.csv file, a folder of them (a local hub download), ``hf:NAME`` for
+            ``datasets.load_dataset(NAME)`` (``data_split``, ``data_revision``, ``data_cache_dir``), or ``"demo"`` /
+            ``"demo_chat"`` (the shipped sets).
         tokenizer: tokenizer name or path; ``None`` takes the model's own (``model.pretrained``) when it names one,
             else the offline Qwen tokenizer.
         data_format: ``"auto"`` detects it from the first row; or ``"messages"``, ``"sharegpt"``, ``"alpaca"``,

@@ -25,16 +25,17 @@ DATA_SUFFIXES = (*_JSON_SUFFIXES, *_TABLE_BUILDERS)
 _METADATA_NAMES = frozenset({"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"})
 # split names hub layouts put in file or folder names (data/train-00000-of-00001.parquet, test.jsonl)
 _SPLIT_NAMES = frozenset({"train", "test", "validation", "valid", "dev", "eval"})
-# "owner/name" or "name": what the hub calls a dataset (a local path is tried first)
-_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+#: prefix of a ``data_path`` that names a dataset for ``datasets.load_dataset`` (``hf:meta-math/MetaMathQA``):
+#: explicit, because "data/MetaMathQA" is both a relative path and a hub name
+HUB_PREFIX = "hf:"
 _SUFFIX_LIST = ", ".join(DATA_SUFFIXES)
 
 
 @dataclass(frozen=True)
 class DataSource:
-    """``path``: a file, a folder of data files, or a dataset name for ``load_dataset`` (a hub name, or a local
-    dataset folder); ``split``/``revision``/``cache_dir`` go to ``load_dataset`` (``split`` also picks the files
-    of a folder whose names carry split names)."""
+    """``path``: a file, a folder of data files, or ``hf:NAME`` for ``datasets.load_dataset(NAME)`` (a hub name or
+    a local dataset folder, read through the datasets cache); ``split``/``revision``/``cache_dir`` go to
+    ``load_dataset`` (``split`` also picks the files of a folder whose names carry split names)."""
 
     path: str
     split: str = "train"
@@ -84,14 +85,14 @@ def data_files(path: Path, split: str = "train") -> list[Path]:
     raise DataPathError(
         str(path),
         "data path does not exist",
-        "Fix data_path (a file, a folder of data files, or a dataset name for datasets.load_dataset)",
+        f"Fix data_path (a file or a folder; {HUB_PREFIX}owner/name loads a hub dataset, or download it first with "
+        "huggingface-cli download)",
     )
 
 
 def is_dataset_name(path: str) -> bool:
-    """Whether ``path``, which names nothing on disk, reads as a hub dataset name rather than a mistyped path."""
-    local = Path(path).expanduser()
-    return bool(_HUB_NAME.match(path)) and local.suffix not in DATA_SUFFIXES and not local.exists()
+    """Whether ``path`` names a dataset for ``datasets.load_dataset`` (``hf:NAME``) rather than a local path."""
+    return path.startswith(HUB_PREFIX)
 
 
 def _table_rows(file: Path, cache_dir: str | None) -> Iterator[tuple[int, object]]:
@@ -117,7 +118,10 @@ def _load_dataset(source: DataSource) -> Any:
 
     try:
         return datasets.load_dataset(
-            source.path, split=source.split, revision=source.revision, cache_dir=source.cache_dir
+            source.path.removeprefix(HUB_PREFIX),
+            split=source.split,
+            revision=source.revision,
+            cache_dir=source.cache_dir,
         )
     except Exception as e:  # offline, unknown name, unknown split, ... : all are a data_path the user must change
         raise DataPathError(
@@ -130,12 +134,11 @@ def _load_dataset(source: DataSource) -> Any:
 
 def iter_rows(source: DataSource) -> Iterator[tuple[str, int, object]]:
     """Every row of ``source`` as ``(source name, line or row, row)``, in order."""
-    path = Path(source.path).expanduser()
-    if not path.exists() and is_dataset_name(source.path):
-        name = f"{source.path}[{source.split}]"
+    if is_dataset_name(source.path):
+        name = f"{source.path.removeprefix(HUB_PREFIX)}[{source.split}]"
         yield from ((name, i, row) for i, row in enumerate(_load_dataset(source), start=1))
         return
-    for file in data_files(path, source.split):
+    for file in data_files(Path(source.path).expanduser(), source.split):
         rows = iter_json_rows(file) if file.suffix in _JSON_SUFFIXES else _table_rows(file, source.cache_dir)
         yield from ((str(file), line, row) for line, row in rows)
 
@@ -143,12 +146,11 @@ def iter_rows(source: DataSource) -> Iterator[tuple[str, int, object]]:
 def fingerprint(source: DataSource) -> str:
     """A digest of the data itself: the files' bytes, or a loaded dataset's own fingerprint (its cache key)."""
     digest = hashlib.blake2b(digest_size=16)
-    path = Path(source.path).expanduser()
-    if not path.exists() and is_dataset_name(source.path):
+    if is_dataset_name(source.path):
         digest.update(f"{source.path}|{source.split}|{source.revision}".encode())
         digest.update(str(getattr(_load_dataset(source), "_fingerprint", "")).encode())
         return digest.hexdigest()
-    for file in data_files(path, source.split):
+    for file in data_files(Path(source.path).expanduser(), source.split):
         digest.update(str(file.name).encode())
         with file.open("rb") as f:
             for block in iter(lambda f=f: f.read(1 << 20), b""):

@@ -197,7 +197,18 @@ def load_model_tokenizer(model_hparams: Mapping[str, Any]) -> PreTrainedTokenize
 
 
 def end_of_turn_id(tok: PreTrainedTokenizerBase) -> int:
-    """Id of the token that closes an assistant turn (``<|im_end|>`` for Qwen), used to stop generation."""
+    """Id of the token that closes an assistant turn in the chat template (``<|im_end|>`` for Qwen, ``<|eot_id|>``
+    for Llama 3), used to stop generation; the eos token when the template's closer starts with no special token."""
+    from jinja2 import TemplateError
+
+    from lightning_lazytrain.sft.data.template import turn_closer
+
+    try:
+        first = tok(turn_closer(tok), add_special_tokens=False)["input_ids"][:1]
+    except (TemplateError, ValueError):  # a template that refuses the probe conversation: fall back to the names
+        first = []
+    if first and (first[0] in tok.all_special_ids or first[0] in tok.get_added_vocab().values()):
+        return int(first[0])
     tid = tok.convert_tokens_to_ids("<|im_end|>")
     if isinstance(tid, int) and tid != tok.unk_token_id and tid is not None:
         return tid
