@@ -3,7 +3,7 @@
     LAZYTRAIN_COMMIT=$(git rev-parse --short HEAD) python benchmarks/recipe_eval_gpu.py
     python benchmarks/recipe_eval_gpu.py --tiny      # a CPU dry run of the same command with a tiny model
 
-``lazytrain fit --config recipes/qwen2.5-3b.yaml`` with CLI overrides only: a random-init Qwen2.5-3B (no weights
+``lazytrain fit --config qwen2.5-3b`` with CLI overrides only: a random-init Qwen2.5-3B (no weights
 can be downloaded there), the shipped MetaMathQA-format demo data packed to seq 1024, batch ``--batch-size``,
 ``--steps`` steps, then one validation on 128 held-out rows that also generates greedy answers for 128 prompts,
 up to 256 new tokens each. :class:`PhaseTimer` (a callback given to the CLI) takes the wall time of the training
@@ -82,7 +82,7 @@ class PhaseTimer(pl.Callback):
 def _cli_args(args, timer_path: str, run_dir: str) -> list[str]:
     timer = {"class_path": "recipe_eval_gpu.PhaseTimer", "init_args": {"path": timer_path}}
     callbacks = [{"class_path": "lightning_lazytrain.sft.metrics.ThroughputMetrics"}, timer]
-    cli = ["fit", "--config", os.path.join(HERE, "..", "recipes", "qwen2.5-3b.yaml"),
+    cli = ["fit", "--config", "qwen2.5-3b",
            "--model.pretrained", "null", "--model.dtype", "bfloat16" if not args.tiny else "float32",
            "--model.model_config", json.dumps(TINY_MODEL) if args.tiny else "qwen2.5-3b",
            "--model.max_new_tokens", str(args.new_tokens), "--model.max_generate_samples", str(args.prompts),
@@ -128,7 +128,7 @@ def main() -> None:
     from common import write_results
 
     metrics = phases.get("metrics", {})
-    result = {"recipe": "recipes/qwen2.5-3b.yaml", "cli_overrides": cli[3:], "model": "tiny" if args.tiny else
+    result = {"recipe": "qwen2.5-3b", "cli_overrides": cli[3:], "model": "tiny" if args.tiny else
               "qwen2.5-3b random init", "batch_size": args.batch_size, "prompts": args.prompts,
               "max_new_tokens": args.new_tokens, "wall_s": wall_s, **phases,
               "generate_s": metrics.get("val/generate_s"),

@@ -186,8 +186,11 @@ def test_profile_on_cuda(tmp_path):
     assert set(prof.sources.values()) == {"measured"}
     assert all(f > 0 for f in prof.forward_seconds) and prof.head_seconds > 0
     assert prof.h2d_bytes_per_s > 1e9 and prof.duplex_bytes_per_s > 1e9
-    # the peak of forward-with-grad + backward holds the graph, the output, the input and weight gradients
+    # the backward starts with the whole graph (its output included) and the output's gradient alive, and ends
+    # with every weight gradient and the input gradient; autograd frees saved tensors as it goes, so the peak
+    # need not hold the graph and the weight gradients at once
     act = prof.activation_bytes[0]
     assert all(g > act for g in prof.graph_bytes)
-    assert all(w >= g + act + p for w, g, p in zip(prof.working_bytes, prof.graph_bytes, prof.param_bytes))
+    for w, g, p in zip(prof.working_bytes, prof.graph_bytes, prof.param_bytes):
+        assert w >= max(g + act, p + act), (w, g, p, act)
     assert os.listdir(tmp_path / "s") == []
