@@ -241,6 +241,21 @@ def test_profile_of_a_meta_model_spreads_one_layer_per_kind(tmp_path, family):
     assert spread.activation_bytes == full.activation_bytes and spread.param_bytes == full.param_bytes
 
 
+def test_a_batch_past_the_measured_tokens_is_scaled_from_a_smaller_measurement(tmp_path, monkeypatch):
+    """The largest-batch search asks for batches whose logits would not fit the card: time at the cap, scale up."""
+    from lightning_lazytrain.schedule import device_profile
+
+    cpu, meta = torch.device("cpu"), _meta(tiny_config("qwen2"))
+    at_cap = device_profile.measured_profile(meta, 2, 16, cpu, cache_dir=str(tmp_path))
+    monkeypatch.setattr(device_profile, "MEASURED_TOKENS", 32)
+    scaled = device_profile.measured_profile(meta, 8, 16, cpu, cache_dir=str(tmp_path))
+    assert scaled.batch == 8 and "at batch 2 scaled x4.00" in scaled.info["scaling"]
+    assert scaled.forward_seconds == pytest.approx([4 * t for t in at_cap.forward_seconds], rel=1e-12)
+    assert scaled.head_seconds == pytest.approx(4 * at_cap.head_seconds, rel=1e-12)
+    assert scaled.activation_bytes == [4 * a for a in at_cap.activation_bytes]
+    assert scaled.param_bytes == at_cap.param_bytes
+
+
 @pytest.mark.gpu
 def test_profile_of_a_meta_model_measured_on_the_gpu(tmp_path):
     from lightning_lazytrain.schedule.device_profile import measured_profile

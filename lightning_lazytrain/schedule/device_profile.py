@@ -2,7 +2,9 @@
 
 A copy of the model with one decoder layer per layer kind is built on the device with random weights (the
 embeddings and head included), profiled as usual, and its per-kind layer times are spread over the full model's
-layers; bytes come from the full model's shapes.
+layers; bytes come from the full model's shapes. A batch of more than ``MEASURED_TOKENS`` tokens is timed at that
+many and scaled linearly (layer times, head time, graph and working-set bytes beyond the weight gradients): the
+largest-batch search asks for batches whose head logits alone would not fit the card.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from transformers import AutoModelForCausalLM
 from lightning_lazytrain.models.adapter import ModelAdapter, adapter_for
 
 from .profile import Profile, _unique_numel, profile_model
+
+MEASURED_TOKENS = 16384
 
 
 def measured_profile(
@@ -33,24 +37,30 @@ def measured_profile(
     config.num_hidden_layers = len(kinds)
     if getattr(config, "layer_types", None) is not None:
         config.layer_types = kinds
+    measured_batch = max(1, min(batch, MEASURED_TOKENS // seq))
     with torch.device(device):
         small = AutoModelForCausalLM.from_config(config, dtype=stream_dtype, attn_implementation="sdpa")
     try:
-        measured = profile_model(adapter_for(small), batch, seq, device, stream_dtype, cache_dir=cache_dir)
+        measured = profile_model(adapter_for(small), measured_batch, seq, device, stream_dtype, cache_dir=cache_dir)
     finally:
         del small
         torch.cuda.empty_cache()
-    per_kind = dict(zip(kinds, measured.forward_seconds))
-    memory = dict(zip(kinds, zip(measured.graph_bytes, measured.working_bytes)))
+    ratio = batch / measured_batch
+    per_kind = {kind: t * ratio for kind, t in zip(kinds, measured.forward_seconds)}
+    memory = {kind: (int(g * ratio), int((w - p) * ratio) + p)
+              for kind, g, w, p in zip(kinds, measured.graph_bytes, measured.working_bytes, measured.param_bytes)}
     itemsize = stream_dtype.itemsize
     act = batch * seq * adapter.model.config.hidden_size * itemsize
+    scaled = f", at batch {measured_batch} scaled x{ratio:.2f}" if measured_batch != batch else ""
     return replace(
         measured,
+        batch=batch,
         forward_seconds=[per_kind[t] for t in types],
+        head_seconds=measured.head_seconds * ratio,
         activation_bytes=[act] * (adapter.num_layers + 1),
         param_bytes=[_unique_numel(layer) * itemsize for layer in adapter.layers],
         layer_types=types,
         graph_bytes=[memory[t][0] for t in types],
         working_bytes=[memory[t][1] for t in types],
-        info={**measured.info, "scaling": f"measured on {measured.device_name} (one layer per kind)"},
+        info={**measured.info, "scaling": f"measured on {measured.device_name} (one layer per kind{scaled})"},
     )
