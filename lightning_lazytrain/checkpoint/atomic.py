@@ -1,8 +1,8 @@
 """Checkpoint files that survive a kill at any moment, and are checked before they are unpickled.
 
 A save writes ``.<name>.<pid>.<token>.tmp`` beside the target, flushes and fsyncs it, renames it over the target and
-fsyncs the directory. Every checkpoint has a manifest, ``<name>.manifest.json`` (written the same atomic way), that
-lists the byte size and sha256 of the contents that may sit at ``<name>``.
+fsyncs the directory. Every checkpoint has a manifest, ``<name>.manifest.json`` (``checkpoint/manifest.py``, written
+the same atomic way), that lists the byte size and sha256 of the contents that may sit at ``<name>``.
 
 The window between renaming the checkpoint and rewriting its manifest is closed by ordering: just before the rename
 the manifest is rewritten to accept BOTH the old contents and the new ones; after the rename it is rewritten to
@@ -22,12 +22,8 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import json
 import os
 import re
-import secrets
-import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -35,76 +31,22 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 
+from lightning_lazytrain.checkpoint.manifest import (
+    CorruptCheckpointError,
+    entries_for_current,
+    find_last_good,
+    fsync_dir,
+    manifest_path,
+    temp_name,
+    verify_checkpoint,
+    write_manifest,
+)
+
 __all__ = ["AtomicCheckpointIO", "CorruptCheckpointError", "find_last_good", "manifest_path", "verify_checkpoint"]
 
-MANIFEST_SUFFIX = ".manifest.json"
-_FORMAT = "lightning-lazytrain-checkpoint-manifest"
 _TEMP = re.compile(r"^\..+\.(\d+)\.[0-9a-f]{16}\.tmp$")
-_HASH_CHUNK = 16 * 2**20
 _LEAF_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
 _CONTAINER_TYPES = (dict, collections.OrderedDict, list, tuple, set)
-
-
-class CorruptCheckpointError(ValueError):
-    """A checkpoint file is incomplete, altered, or has no manifest to check it against."""
-
-
-def manifest_path(path: _PATH) -> str:
-    return os.fspath(path) + MANIFEST_SUFFIX
-
-
-def verify_checkpoint(path: _PATH) -> dict[str, Any]:
-    """Check ``path`` against its manifest (size first, then sha256); return the manifest.
-
-    A symlink (``ModelCheckpoint(save_last="link")``) is checked as the file it points to.
-    Raises ``FileNotFoundError`` when there is no file and :class:`CorruptCheckpointError` when it does not verify.
-    """
-    shown = os.fspath(path)
-    target = os.path.realpath(shown)
-    if not os.path.isfile(target):
-        raise FileNotFoundError(f"Checkpoint file not found: {shown}")
-    manifest = _read_manifest(shown, target)
-    accepted = manifest["accepts"]
-    found = os.path.getsize(target)
-    same_size = [e for e in accepted if e["size"] == found]
-    if not same_size:
-        expected = " or ".join(str(e["size"]) for e in accepted)
-        kind = "truncated" if found < max(e["size"] for e in accepted) else "size mismatch"
-        raise CorruptCheckpointError(
-            f"{shown} is corrupt ({kind}): {expected} bytes expected, {found} bytes found. {_older_hint(target)}"
-        )
-    with open(target, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
-    if all(e["sha256"] != digest for e in same_size):
-        expected = " or ".join(e["sha256"] for e in same_size)
-        raise CorruptCheckpointError(
-            f"{shown} is corrupt (checksum mismatch): sha256 {digest} found, {expected} expected; the bytes changed"
-            f" after they were written (disk or copy damage). {_older_hint(target)}"
-        )
-    return manifest
-
-
-def find_last_good(dirpath: _PATH) -> str | None:
-    """The newest ``*.ckpt`` in ``dirpath`` that verifies (newest by the save time its manifest records), or None.
-
-    Newer checkpoints that do not verify are skipped with a warning naming each one and what is wrong with it.
-    """
-    directory = os.fspath(dirpath)
-    if not os.path.isdir(directory):
-        return None
-    candidates = []
-    for name in os.listdir(directory):
-        path = os.path.join(directory, name)
-        if name.endswith(".ckpt") and os.path.isfile(path) and not os.path.islink(path):
-            candidates.append((_saved_ns(path), name, path))
-    for _, _, path in sorted(candidates, reverse=True):
-        try:
-            verify_checkpoint(path)
-        except (CorruptCheckpointError, FileNotFoundError) as err:
-            warnings.warn(f"skipping checkpoint {path}: {err}", stacklevel=2)
-            continue
-        return path
-    return None
 
 
 def remove_stale_temps(dirpath: _PATH) -> list[str]:
@@ -160,14 +102,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         os.makedirs(directory, exist_ok=True)
         remove_stale_temps(directory)
         check_weights_only_loadable(checkpoint, target)
-        tmp = _temp_name(target)
+        tmp = temp_name(target)
         try:
             entry = _write_hashed(checkpoint, tmp)
             info = {"global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch")}
-            _write_manifest(target, [entry, *_entries_for_current(target)], info)
+            write_manifest(target, [entry, *entries_for_current(target)], info)
             os.replace(tmp, target)
-            _fsync_dir(directory)
-            _write_manifest(target, [entry], info)
+            fsync_dir(directory)
+            write_manifest(target, [entry], info)
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
@@ -222,82 +164,6 @@ def _write_hashed(obj: Any, tmp: str) -> dict[str, Any]:
         f.flush()
         os.fsync(f.fileno())
     return {"size": writer.size, "sha256": writer.sha256.hexdigest()}
-
-
-def _write_manifest(target: str, accepts: list[dict[str, Any]], info: dict[str, Any]) -> None:
-    body = {"format": _FORMAT, "version": 1, "file": os.path.basename(target), "saved_ns": time.time_ns(),
-            "accepts": accepts, **{k: v for k, v in info.items() if isinstance(v, int)}}
-    final = manifest_path(target)
-    tmp = _temp_name(final)
-    try:
-        with open(tmp, "w") as f:
-            json.dump(body, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        _fsync_dir(os.path.dirname(os.path.abspath(final)))
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def _entries_for_current(target: str) -> list[dict[str, Any]]:
-    """Manifest entries that may describe the file now at ``target`` (matched by size; the digest is not re-read)."""
-    if not os.path.isfile(target):
-        return []
-    try:
-        manifest = _read_manifest(target, target)
-    except CorruptCheckpointError:
-        return []  # the file being replaced never verified: there is nothing worth keeping loadable
-    size = os.path.getsize(target)
-    return [e for e in manifest["accepts"] if e["size"] == size]
-
-
-def _read_manifest(shown: str, target: str) -> dict[str, Any]:
-    path = manifest_path(target)
-    try:
-        with open(path) as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(
-            f"{shown} has no manifest ({path}): its save did not finish, or it was written by another CheckpointIO."
-            " It cannot be checked, so it is not loaded; resume from a checkpoint saved by AtomicCheckpointIO."
-        ) from None
-    except (OSError, ValueError) as err:
-        raise CorruptCheckpointError(f"{shown}: its manifest {path} is unreadable ({err})") from err
-    entries = manifest.get("accepts") if isinstance(manifest, dict) else None
-    valid = isinstance(entries, list) and entries and all(
-        isinstance(e, dict) and isinstance(e.get("size"), int) and isinstance(e.get("sha256"), str) for e in entries)
-    if manifest.get("format") != _FORMAT or not valid:
-        raise CorruptCheckpointError(f"{shown}: its manifest {path} is not a lightning-lazytrain manifest")
-    return manifest
-
-
-def _older_hint(target: str) -> str:
-    directory = os.path.dirname(target)
-    return (f"Resume from an older checkpoint: lightning_lazytrain.find_last_good({directory!r}) finds the newest"
-            " that verifies.")
-
-
-def _saved_ns(path: str) -> int:
-    try:
-        with open(manifest_path(path)) as f:
-            return int(json.load(f)["saved_ns"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return os.stat(path).st_mtime_ns  # no usable manifest: ordered by mtime, then refused by verification
-
-
-def _temp_name(target: str) -> str:
-    directory, name = os.path.split(target)
-    return os.path.join(directory, f".{name}.{os.getpid()}.{secrets.token_hex(8)}.tmp")
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _process_alive(pid: int) -> bool:
