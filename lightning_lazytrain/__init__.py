@@ -9,10 +9,10 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_lazytrain.checkpoint import AtomicCheckpointIO, CorruptCheckpointError, find_last_good
 from lightning_lazytrain.faults import ResourceError
-from lightning_lazytrain.models import UnsupportedModelError, supported_architectures
+from lightning_lazytrain.models import ModelNotFoundError, UnsupportedModelError, supported_architectures
 from lightning_lazytrain.optim import HybridAdamW
 from lightning_lazytrain.precision import LazyTrainPrecision, UnsupportedPrecisionError
-from lightning_lazytrain.strategy import LazyTrainStrategy, ModelNotFoundError
+from lightning_lazytrain.strategy import LazyTrainStrategy
 
 __version__ = "0.1.0"
 

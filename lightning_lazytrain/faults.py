@@ -145,3 +145,10 @@ def gpu_out_of_memory(exc: BaseException, available: int | None, batch_shape: tu
          "fewer keep_graph_layers",
          "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True when the step fails close to the limit (fragmentation)"],
         asked=asked, available=available)
+
+
+def plan_summary(plan) -> str:
+    """A ``StackPlan`` in a line: how many boundaries live in each home, and how many layers keep their graph."""
+    if plan is None:
+        return "not set"
+    return f"{plan.counts()}, {plan.graph_layers} layers keep their graph"

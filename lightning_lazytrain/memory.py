@@ -65,7 +65,7 @@ def admission(executor: StreamingExecutor, optimizer: torch.optim.Optimizer | No
     if executor.device.type == "cuda":
         free = device_free_bytes(executor.device)
         slots = executor.pool.nbytes
-        resident = 2 * executor._resident_buf.numel() * executor._resident_buf.element_size()
+        resident = executor.resident_device_bytes
         gpu_kw = dict(gpu_have_bytes=free + slots + resident, gpu_slot_bytes=slots, gpu_resident_bytes=resident)
     else:
         gpu_kw = dict(gpu_have_bytes=0)

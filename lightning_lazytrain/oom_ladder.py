@@ -19,8 +19,6 @@ import logging
 from collections.abc import Callable
 
 from lightning_lazytrain.engine import StackPlan, StreamingExecutor
-from lightning_lazytrain.engine.grads.direct import DirectGradSink
-from lightning_lazytrain.engine.grads.sharded import ShardedGradSink
 
 log = logging.getLogger(__name__)
 RUNGS = ("smaller GPU budget", "more recompute", "CPU/NVMe homes")
@@ -58,6 +56,16 @@ class OomLadder:
     rung: int = 0
     taken: list[str] = dataclasses.field(default_factory=list)
 
+    def plan_after_oom(self, executor: StreamingExecutor, settings, shape: tuple[int, int] | None, step: int,
+                       accumulate_grad_batches: int) -> StackPlan | None:
+        """The next rung's plan while the ladder applies (the first ``steps`` steps, no accumulation: a half-done
+        accumulation cannot be run again), else None."""
+        if executor is None or step >= self.steps or accumulate_grad_batches != 1:
+            return None
+        milp = settings.kind() == "milp" and shape is not None
+        resolve = milp_resolver(settings, executor, shape) if milp else None
+        return self.next_plan(executor.plan, settings.spill_dir, resolve)
+
     def next_plan(
         self, plan: StackPlan, spill_dir: str | None, resolve: Callable[[float], StackPlan | None] | None
     ) -> StackPlan | None:
@@ -76,35 +84,11 @@ class OomLadder:
                     "lazytrain: out of GPU memory; fallback rung %d (%s): plan %s, %d kept graphs",
                     self.rung,
                     name,
-                    _counts(candidate),
+                    candidate.counts(),
                     candidate.graph_layers,
                 )
                 return candidate
         return None
-
-
-def _counts(plan: StackPlan) -> dict[str, int]:
-    return {h: plan.homes.count(h) for h in sorted(set(plan.homes))}
-
-
-def discard_step(executor: StreamingExecutor) -> None:
-    """Forget what a step that failed half-way left behind: its gradients (landed or queued), the resident leaves'
-    gradients, recorded layer calls, and the slot pool (slots it acquired are never released)."""
-    sink = executor.sink
-    if isinstance(sink, (DirectGradSink, ShardedGradSink)):
-        sink.take_norm_sq()
-        for unit in executor.store.units:
-            unit.has_grads = False
-            unit.device_grads = unit.grad_refs = None
-    else:
-        sink.flush()
-        for unit in executor.store.units:
-            for entry in unit.unique:
-                entry.param.grad = None
-    for leaf in executor._resident_leaves or []:
-        leaf.grad = None
-    executor._pending = []
-    executor.pool = None
 
 
 def milp_resolver(settings, executor: StreamingExecutor, shape: tuple[int, int]) -> Callable[[float], StackPlan]:

@@ -5,10 +5,21 @@ It follows Lightning's ``DDPStrategy``: the subprocess launcher re-runs the scri
 environment, ``setup_environment`` opens the process group (NCCL between GPUs, gloo on the CPU) and the engine's
 host-side gloo groups (``engine/weights/topology.py``). With one process nothing of this runs: no launcher, no process
 group, and ``reduce`` / ``barrier`` / ``broadcast`` return at once, exactly as a single-device strategy.
+
+Everything else that differs between one process and several is answered here too, so the strategy asks without
+branching: which host store (a private one, or the machine's shared copy with sharded masters), how the optimizer
+is set up (without moment tensors when the engine shards it), which update path runs, what admission counts per
+host, whether the OOM ladder may re-plan this process alone, and how checkpoints are laid out (one file, or a
+directory of rank shards).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Any
 
@@ -20,19 +31,28 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
+from lightning_lazytrain.checkpoint import sharded as sharded_checkpoint
+from lightning_lazytrain.engine import StreamingExecutor
+from lightning_lazytrain.engine.updates.paths import UpdatePath, direct_path, host_path, sharded_path
+from lightning_lazytrain.engine.weights.shared_store import SharedParamStore
+from lightning_lazytrain.engine.weights.store import HostParamStore
 from lightning_lazytrain.engine.weights.topology import Topology, build_topology
+from lightning_lazytrain.optim.hybrid_adamw import defer_state_allocation
 
 
 class ProcessGroupStrategy(ParallelStrategy):
-    """One process per device; the subclass defines ``timeout_s`` (the process group's collective timeout)."""
+    """One process per device; the subclass defines ``timeout_s`` (the process group's collective timeout) and
+    builds ``executor`` at setup."""
 
     topology: Topology | None = None
     timeout_s: float = 1800.0
+    executor: StreamingExecutor | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -119,3 +139,61 @@ class ProcessGroupStrategy(ParallelStrategy):
         box = [obj]
         torch.distributed.broadcast_object_list(box, src)
         return box[0]
+
+    @property
+    def store_factory(self) -> Callable[..., HostParamStore]:
+        """One process: a private host store; several: the machine's shared streamed copy, masters sharded."""
+        if self.distributed:
+            return functools.partial(SharedParamStore, topology=self.topology)
+        return HostParamStore
+
+    def optimizer_setup(self) -> AbstractContextManager[None]:
+        """Around ``setup_optimizers``: with several processes the engine's shard optimizer holds the states."""
+        return defer_state_allocation() if self.distributed else contextlib.nullcontext()
+
+    def update_path(self, training: bool, optimizer: torch.optim.Optimizer | None, engine_can_update: bool,
+                    device_update_share: float | None) -> UpdatePath:
+        """The run's gradient/update path: for training, sharded with several processes (the only way they train),
+        else the engine's per-unit updates when the optimizer and loop allow them, else host gradients for
+        Lightning's optimizer step; evaluation runs no backward and gets the host path."""
+        executor = self.executor
+        assert executor is not None
+        store, queues, timeout = executor.store, executor.queues, executor.timeout_s
+        if training and self.distributed:
+            if not engine_can_update:
+                raise ValueError(
+                    "lazytrain with several processes shards the optimizer inside the engine: it needs one"
+                    " lightning_lazytrain.optim.HybridAdamW, automatic optimization, accumulate_grad_batches=1 and"
+                    " overlap_updates=True"
+                )
+            return sharded_path(store, queues, optimizer, timeout)
+        if training and engine_can_update:
+            return direct_path(store, queues, optimizer, device_update_share, timeout)
+        return host_path(store, queues, executor.slot_numel, timeout)
+
+    @property
+    def host_share(self) -> tuple[int, int]:
+        """(processes on this host, processes in all): admission counts one host's share of the run."""
+        topo = self.topology
+        return (topo.local_world, topo.world_size) if topo is not None else (1, 1)
+
+    @property
+    def replans_alone(self) -> bool:
+        """Whether this process may change its plan by itself (the OOM ladder): only when it is the only one."""
+        return not self.distributed
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
+        if not self.distributed:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        assert self.executor is not None
+        meta = None
+        if self.is_global_zero:
+            meta = sharded_checkpoint.layout_meta(self.executor.store, self.executor.adapter.model)
+        sharded_checkpoint.save_sharded(checkpoint, filepath, self.global_rank, meta)
+
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.distributed and os.path.isdir(filepath):
+            if self.is_global_zero:
+                sharded_checkpoint.remove_sharded(filepath)
+            return
+        super().remove_checkpoint(filepath)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
+from typing_extensions import override
 
 _DTYPES = {
     "32-true": (torch.float32, torch.float32),
@@ -41,10 +42,27 @@ def normalize_precision(precision: str | int) -> str:
 class LazyTrainPrecision(Precision):
     def __init__(self, precision: str = "bf16-mixed") -> None:
         self.precision = normalize_precision(precision)
-        self.after_closure_hook: Callable[[], None] | None = None
         self.device_type = "cpu"
-        self.direct_step: Callable[[float | None], object] | None = None
+        self._drain_gradients: Callable[[], None] | None = None
+        self._engine_step: Callable[[float | None], object] | None = None
         self._clip_val: float | None = None
+
+    def bind(self, device_type: str, drain_gradients: Callable[[], None],
+             engine_step: Callable[[float | None], object] | None) -> None:
+        """What the strategy hands over at setup: the device the step runs on, how to wait for the gradients the
+        backward sent to the host, and, when the engine runs the update itself, the call that queues it (given the
+        clip value; ``None``: the optimizer is stepped here as Lightning's precision plugins do)."""
+        self.device_type = device_type
+        self._drain_gradients = drain_gradients
+        self._engine_step = engine_step
+
+    def unbind(self) -> None:
+        self._drain_gradients = self._engine_step = None
+
+    @property
+    def engine_steps(self) -> bool:
+        """Whether the engine runs the optimizer update (no ``.grad`` on the host)."""
+        return self._engine_step is not None
 
     @property
     def master_dtype(self) -> torch.dtype:
@@ -54,6 +72,7 @@ class LazyTrainPrecision(Precision):
     def stream_dtype(self) -> torch.dtype:
         return _DTYPES[self.precision][1]
 
+    @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         if self.precision == "bf16-true":
             return module.to(torch.bfloat16)
@@ -62,9 +81,11 @@ class LazyTrainPrecision(Precision):
                 param.data = param.data.float()
         return module
 
+    @override
     def convert_input(self, data: Any) -> Any:
         return data
 
+    @override
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:
         if self.precision == "bf16-mixed":
@@ -80,36 +101,40 @@ class LazyTrainPrecision(Precision):
         else:
             yield
 
+    @override
     def optimizer_step(self, optimizer, model, closure, **kwargs):
-        if self.direct_step is None:
+        if self._engine_step is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         # The engine owns the update: run forward/backward, hooks and clipping, then queue per-unit updates.
         self._clip_val = None
         result = self._wrap_closure(model, optimizer, closure)
-        self.direct_step(self._clip_val)
-        # optimizer.step() is never called in this mode; tell torch's LR schedulers the step happened (they track
-        # this flag to warn about scheduler-before-optimizer ordering)
-        optimizer._opt_called = True
+        self._engine_step(self._clip_val)
+        # No parameter has a .grad in this mode, so optimizer.step() updates nothing; it is called so that torch's LR
+        # schedulers (which wrap it to check the scheduler-after-optimizer order) see that the step happened.
+        optimizer.step()
         return result
 
+    @override
     def clip_grad_by_norm(self, optimizer, clip_val) -> None:
-        if self.direct_step is None:
+        if self._engine_step is None:
             return super().clip_grad_by_norm(optimizer, clip_val)
         # Gradients are not on the host as .grad; the norm comes from the device, the coefficient goes into the update.
         self._clip_val = float(clip_val)
 
+    @override
     def clip_grad_by_value(self, optimizer, clip_val) -> None:
-        if self.direct_step is not None:
+        if self._engine_step is not None:
             raise ValueError(
                 "gradient_clip_algorithm='value' is not supported when lazytrain runs the update itself;"
                 " use 'norm', or LazyTrainStrategy(overlap_updates=False)."
             )
         return super().clip_grad_by_value(optimizer, clip_val)
 
+    @override
     def _wrap_closure(self, model, optimizer, closure):
         # Gradients land on the host asynchronously; they must be complete before hooks and clipping read them.
         result = closure()
-        if self.after_closure_hook is not None:
-            self.after_closure_hook()
+        if self._drain_gradients is not None:
+            self._drain_gradients()
         self._after_closure(model, optimizer)
         return result

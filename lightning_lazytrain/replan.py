@@ -1,6 +1,11 @@
-"""Online re-plan: every ``every`` steps the link is probed again; when a direction drifted from the profile the
-plan was solved for by more than ``tolerance`` (another process on the PCIe link, a throttled GPU), the MILP is
-solved again at that step boundary with the measured figures, and the change is logged.
+"""The MILP plan during a run: solved at the first training batch, and solved again when the link drifts.
+
+``MilpPlan.before_batch`` solves it for the first batch's shape (or takes the plan the checkpoint holds for that
+shape), writes it beside the logs and hands it to the executor.
+
+Online re-plan (``LinkDrift``): every ``every`` steps the link is probed again; when a direction drifted from the
+profile the plan was solved for by more than ``tolerance`` (another process on the PCIe link, a throttled GPU), the
+MILP is solved again at that step boundary with the measured figures, and the change is logged.
 
 ``probe`` returns (h2d, d2h, both-at-once) bytes/s; on CUDA it is `engine.link.measure_link_cuda` (256 MiB pinned
 copies, tens of milliseconds), elsewhere there is no link and no probe unless one is injected (the tests' slow
@@ -10,9 +15,15 @@ link). Per-layer compute times are not re-measured here: only the link.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
+from lightning_lazytrain.engine import StreamingExecutor
+from lightning_lazytrain.engine.link import measure_link_cuda
+from lightning_lazytrain.planner import PlanSettings, plan_of, solve_plan, write_plan
+from lightning_lazytrain.resume import ResumeState
 from lightning_lazytrain.schedule import Profile
 
 log = logging.getLogger(__name__)
@@ -52,3 +63,43 @@ class LinkDrift:
 
 def _gb(values: tuple[float, ...]) -> str:
     return "/".join(f"{v / GB:.1f}" for v in values)
+
+
+class MilpPlan:
+    """Keeps the run's MILP plan in ``resume.schedule_result`` (so checkpoints carry it) and the executor on it."""
+
+    def __init__(self, settings: PlanSettings, resume: ResumeState, link_drift: LinkDrift,
+                 num_slots: int | None) -> None:
+        self.settings, self.resume, self.link_drift, self.num_slots = settings, resume, link_drift, num_slots
+
+    def before_batch(self, batch: Any, executor: StreamingExecutor, step: int, log_dir: str) -> None:
+        if self.resume.schedule_result is not None:
+            self._maybe_replan(executor, step, log_dir)
+            return
+        ids = batch["input_ids"] if isinstance(batch, Mapping) else getattr(batch, "input_ids", None)
+        if ids is None:
+            raise ValueError("schedule='milp' plans for the batch shape: the batch must carry input_ids (B, T)")
+        shape = (ids.shape[0], ids.shape[-1])
+        self.resume.plan_shape = shape
+        saved = self.resume.saved_plan(shape)
+        self.resume.schedule_result = saved or solve_plan(self.settings, executor, *shape)
+        executor.set_plan(plan_of(self.resume.schedule_result), self.num_slots)
+        if saved is not None:
+            log.info("lazytrain: running the plan saved in the checkpoint for batch %d x %d", *shape)
+            return
+        path = write_plan(self.resume.schedule_result, log_dir)
+        log.info("lazytrain: plan for batch %d x %d written to %s", *shape, path)
+
+    def _maybe_replan(self, executor: StreamingExecutor, step: int, log_dir: str) -> None:
+        """At a step boundary: solve again when the link drifted from the profile the plan was solved for."""
+        if self.link_drift.probe is None and executor.device.type == "cuda":
+            self.link_drift.probe = functools.partial(measure_link_cuda, executor.device)
+        profile = self.link_drift.check(step, getattr(self.resume.schedule_result, "profile", None))
+        if profile is None or self.resume.plan_shape is None:
+            return
+        schedule = solve_plan(self.settings, executor, *self.resume.plan_shape, profile=profile)
+        self.resume.schedule_result = schedule
+        executor.set_plan(plan_of(schedule), self.num_slots)
+        path = write_plan(schedule, log_dir)
+        log.warning("lazytrain: re-planned at step %d: %s, predicted exposed %.3f s, written to %s",
+                    step, schedule.counts(), schedule.predicted_exposed_seconds, path)

@@ -3,54 +3,41 @@
 The user's LightningModule and its HF model stay as they are. At setup the strategy finds the one
 ``PreTrainedModel`` in the module, moves its parameters into the host store (they stay CPU parameters, so any
 torch optimizer over ``module.parameters()`` updates the masters), and hooks the model so its forward streams.
+What differs between one process and several is asked of the parallel layer (``parallel.py``).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
-from torch import nn
-from transformers import PreTrainedModel
+from typing_extensions import override
 
-from lightning_lazytrain.checkpoint import sharded as sharded_checkpoint
-from lightning_lazytrain.checkpoint.atomic import AtomicCheckpointIO, CorruptCheckpointError
+from lightning_lazytrain.checkpointing import CheckpointingStrategy, last_checkpoint
 from lightning_lazytrain.engine import StreamingExecutor
 from lightning_lazytrain.engine.device import device_free_bytes
 from lightning_lazytrain.engine.generation import EvalGeneration
-from lightning_lazytrain.engine.link import measure_link_cuda
-from lightning_lazytrain.engine.weights.shared_store import SharedParamStore
-from lightning_lazytrain.faults import GpuMemoryError, gpu_out_of_memory
+from lightning_lazytrain.faults import gpu_out_of_memory, plan_summary
 from lightning_lazytrain.memory import admission
-from lightning_lazytrain.models import adapter_for
-from lightning_lazytrain.oom_ladder import OomLadder, discard_step, milp_resolver
-from lightning_lazytrain.optim.hybrid_adamw import defer_state_allocation
-from lightning_lazytrain.parallel import ProcessGroupStrategy
-from lightning_lazytrain.planner import PlanSettings, initial_plan, plan_of, solve_plan, write_plan
+from lightning_lazytrain.models import adapter_for, find_hf_model
+from lightning_lazytrain.oom_ladder import OomLadder
+from lightning_lazytrain.planner import PlanSettings, initial_plan
 from lightning_lazytrain.precision import LazyTrainPrecision
-from lightning_lazytrain.replan import LinkDrift
-from lightning_lazytrain.resume import STATE_KEY, ResumeState, fallback_for_last
+from lightning_lazytrain.replan import LinkDrift, MilpPlan
+from lightning_lazytrain.resume import ResumeState
 from lightning_lazytrain.schedule import AdmissionReport, Schedule
 from lightning_lazytrain.schedule.generation import GENERATION_MODES, GenerationMode
 
 log = logging.getLogger(__name__)
 
 
-class ModelNotFoundError(ValueError):
-    pass
-
-
-class LazyTrainStrategy(ProcessGroupStrategy):
+class LazyTrainStrategy(CheckpointingStrategy):
     """Stream an HF decoder's layers through one device from host memory; one process per device.
 
     Args:
@@ -143,6 +130,7 @@ class LazyTrainStrategy(ProcessGroupStrategy):
         self.admission_report: AdmissionReport | None = None
         self.oom_ladder = OomLadder(steps=oom_fallback_steps)
         self.link_drift = LinkDrift(every=replan_every_n_steps)
+        self.milp_plan = MilpPlan(self.plan_settings, self.resume, self.link_drift, num_slots)
 
     @property
     def schedule(self) -> str:
@@ -154,18 +142,7 @@ class LazyTrainStrategy(ProcessGroupStrategy):
         return self.resume.schedule_result
 
     @property
-    def checkpoint_io(self) -> CheckpointIO:
-        if self._checkpoint_io is None:
-            self._checkpoint_io = AtomicCheckpointIO()
-        elif isinstance(self._checkpoint_io, _WrappingCheckpointIO) and self._checkpoint_io.checkpoint_io is None:
-            self._checkpoint_io.checkpoint_io = AtomicCheckpointIO()
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO | None) -> None:
-        self._checkpoint_io = io
-
-    @property
+    @override
     def precision_plugin(self) -> LazyTrainPrecision:
         return self._precision_plugin if self._precision_plugin is not None else LazyTrainPrecision("32-true")
 
@@ -175,159 +152,67 @@ class LazyTrainStrategy(ProcessGroupStrategy):
             plugin = LazyTrainPrecision(getattr(plugin, "precision", "32-true"))
         self._precision_plugin = plugin
 
+    @override
     def setup_environment(self) -> None:
         if self.pin_memory and self.root_device.type != "cuda":
             raise ValueError("pin_memory=True needs a CUDA device; drop it or use accelerator='gpu'.")
         super().setup_environment()
 
-    def find_hf_model(self, module: nn.Module) -> PreTrainedModel:
-        if self.model_attr is not None:
-            model = getattr(module, self.model_attr, None)
-            if not isinstance(model, PreTrainedModel):
-                raise ModelNotFoundError(
-                    f"{type(module).__name__}.{self.model_attr} is {type(model).__name__}, not a transformers"
-                    " PreTrainedModel; point model_attr at the attribute holding the HF causal LM."
-                )
-            return model
-        found = [(name, m) for name, m in module.named_modules() if isinstance(m, PreTrainedModel)]
-        outer = [(n, m) for n, m in found if not any(n.startswith(o + ".") for o, _ in found if o != n)]
-        if not outer:
-            raise ModelNotFoundError(
-                f"{type(module).__name__} holds no transformers PreTrainedModel; lazytrain streams the layers of one"
-                " HF causal LM (e.g. self.model = AutoModelForCausalLM.from_pretrained(...))."
-            )
-        if len(outer) > 1:
-            names = ", ".join(n for n, _ in outer)
-            raise ModelNotFoundError(
-                f"{type(module).__name__} holds several PreTrainedModels ({names});"
-                " say which one to stream with LazyTrainStrategy(model_attr=...)."
-            )
-        return outer[0][1]
-
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         precision = self.precision_plugin
-        precision.device_type = self.root_device.type
-        precision.after_closure_hook = self._drain_gradients
-        hf_model = self.find_hf_model(self.model)
+        hf_model = find_hf_model(self.model, self.model_attr)
         if self.executor is None:
             adapter = adapter_for(hf_model)
             precision.convert_module(self.model)
             plan = initial_plan(self.plan_settings, adapter.num_layers)
             pin = self.root_device.type == "cuda" if self.pin_memory is None else self.pin_memory
-            store_kw = {}
-            if self.distributed:
-                store_kw["store_factory"] = functools.partial(SharedParamStore, topology=self.topology)
             self.executor = StreamingExecutor(
-                adapter,
-                self.root_device,
-                precision.master_dtype,
-                precision.stream_dtype,
-                plan,
-                num_slots=self.num_slots,
-                prefetch_depth=self.prefetch_depth,
-                pin_memory=pin,
-                timeout_s=self.timeout_s,
-                spill_dir=self.plan_settings.spill_dir,
-                **store_kw,
+                adapter, self.root_device, precision.master_dtype, precision.stream_dtype, plan,
+                num_slots=self.num_slots, prefetch_depth=self.prefetch_depth, pin_memory=pin,
+                timeout_s=self.timeout_s, spill_dir=self.plan_settings.spill_dir, store_factory=self.store_factory,
             )
             self.generation = EvalGeneration(self.executor, self.generation_mode)
-        if trainer.state.fn == TrainerFn.FITTING:
-            if self.distributed:
-                with defer_state_allocation():  # the engine's shard optimizer holds the states
-                    self.setup_optimizers(trainer)
-            else:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            with self.optimizer_setup():
                 self.setup_optimizers(trainer)
-            self._maybe_direct_updates(trainer)
-            optimizer = self.optimizers[0] if self.optimizers else None
-            if self.distributed and optimizer is not None:
-                optimizer = self.executor.updates.optimizer
-            topo = self.topology
-            report = admission(self.executor, optimizer, precision.precision,
-                               topo.local_world if topo else 1, topo.world_size if topo else 1)
+        if self.executor.path is None:
+            optimizer = self.optimizers[0] if fitting and self.optimizers else None
+            self.executor.use_path(self.update_path(fitting, optimizer, fitting and self._engine_can_update(trainer),
+                                                    self.device_update_share))
+        engine_step = self._engine_step if fitting and self.executor.updates is not None else None
+        precision.bind(self.root_device.type, self._drain_gradients, engine_step)
+        if fitting:
+            optimizer = self.executor.path.optimizer or (self.optimizers[0] if self.optimizers else None)
+            report = admission(self.executor, optimizer, precision.precision, *self.host_share)
             self.admission_report = report
             report.check()
             log.info("lazytrain admission:\n%s", report.table())
         self.setup_precision_plugin()
 
-    def _maybe_direct_updates(self, trainer: pl.Trainer) -> None:
-        precision = self.precision_plugin
-        precision.direct_step = None
-        if self.executor is None or self.executor.updates is not None:
-            return
-        eligible = (self.overlap_updates and len(self.optimizers) == 1 and hasattr(self.optimizers[0], "step_params")
-                    and self.lightning_module.automatic_optimization and trainer.accumulate_grad_batches == 1)
-        if not eligible:
-            if self.distributed:
-                raise ValueError(
-                    "lazytrain with several processes shards the optimizer inside the engine: it needs one"
-                    " lightning_lazytrain.optim.HybridAdamW, automatic optimization, accumulate_grad_batches=1 and"
-                    " overlap_updates=True"
-                )
-            return
-        if self.distributed:
-            self.executor.enable_sharded_updates(self.optimizers[0])
-        else:
-            self.executor.enable_direct_updates(self.optimizers[0], self.device_update_share)
-        trainer_ref = trainer
+    def _engine_can_update(self, trainer: pl.Trainer) -> bool:
+        """The engine runs the update itself: one optimizer that can update a subset of parameters
+        (``step_params``), automatic optimization, no gradient accumulation, and ``overlap_updates``."""
+        return (self.overlap_updates and len(self.optimizers) == 1 and hasattr(self.optimizers[0], "step_params")
+                and self.lightning_module.automatic_optimization and trainer.accumulate_grad_batches == 1)
 
-        def direct_step(clip_val: float | None) -> None:
-            try:
-                stepped = self.executor.direct_step(clip_val, self.resume.nonfinite_guard, trainer_ref.global_step)
-            except RuntimeError as exc:
-                reason = str(exc).rstrip(".")
-                raise RuntimeError(f"{reason}. Last good checkpoint: {_last_checkpoint(trainer_ref)}") from exc
-            if not stepped:
-                self.resume.skipped_steps += 1
-                log.warning("lazytrain: non-finite gradient norm at step %d, step skipped (%d so far)",
-                            trainer_ref.global_step, self.resume.skipped_steps)
-
-        precision.direct_step = direct_step
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self.executor is not None:
-            self.executor.wait_updates()
-            if self.distributed:
-                return self.executor.store.shard_state()
-        return super().lightning_module_state_dict()
-
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        if self.executor is not None:
-            self.executor.wait_updates()
-            if self.distributed and self.executor.updates is not None:
-                return self.executor.updates.state_dict()
-        return super().optimizer_state(optimizer)
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
-        checkpoint[STATE_KEY] = self.resume.dump()
-        if not self.distributed:
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
+    def _engine_step(self, clip_val: float | None) -> None:
+        trainer = self.lightning_module.trainer
         assert self.executor is not None
-        meta = None
-        if self.is_global_zero:
-            meta = sharded_checkpoint.layout_meta(self.executor.store, self.executor.adapter.model)
-        sharded_checkpoint.save_sharded(checkpoint, filepath, self.global_rank, meta)
+        try:
+            stepped = self.executor.direct_step(clip_val, self.resume.nonfinite_guard, trainer.global_step)
+        except RuntimeError as exc:
+            reason = str(exc).rstrip(".")
+            raise RuntimeError(f"{reason}. Last good checkpoint: {last_checkpoint(trainer)}") from exc
+        if not stepped:
+            self.resume.skipped_steps += 1
+            log.warning("lazytrain: non-finite gradient norm at step %d, step skipped (%d so far)",
+                        trainer.global_step, self.resume.skipped_steps)
 
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        if sharded_checkpoint.is_sharded(checkpoint_path):
-            checkpoint = sharded_checkpoint.load_sharded(checkpoint_path, self.global_rank, self.world_size)
-        else:
-            try:
-                checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
-            except CorruptCheckpointError as err:
-                # fit(ckpt_path="last") resolved to a last*.ckpt that does not verify: take the newest one that does
-                checkpoint = super().load_checkpoint(fallback_for_last(str(checkpoint_path), err), weights_only)
-        self.resume.load(checkpoint.get(STATE_KEY))
-        return checkpoint
-
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if self.distributed and os.path.isdir(filepath):
-            if self.is_global_zero:
-                sharded_checkpoint.remove_sharded(filepath)
-            return
-        super().remove_checkpoint(filepath)
-
+    @override
     def on_validation_end(self) -> None:
         """An evaluation's resident layer copies are dropped before training resumes."""
         if self.generation is not None:
@@ -335,89 +220,46 @@ class LazyTrainStrategy(ProcessGroupStrategy):
 
     on_test_end = on_predict_end = on_validation_end
 
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.on_validation_end()
         self.resume.before_batch()
-        if self.plan_settings.kind() != "milp" or self.executor is None:
-            return
-        if self.resume.schedule_result is not None:
-            self._maybe_replan()
-            return
-        ids = batch["input_ids"] if isinstance(batch, Mapping) else getattr(batch, "input_ids", None)
-        if ids is None:
-            raise ValueError("schedule='milp' plans for the batch shape: the batch must carry input_ids (B, T)")
-        batch_size, seq = ids.shape[0], ids.shape[-1]
-        self.resume.plan_shape = (batch_size, seq)
-        saved = self.resume.saved_plan((batch_size, seq))
-        self.resume.schedule_result = saved or solve_plan(self.plan_settings, self.executor, batch_size, seq)
-        self.executor.set_plan(plan_of(self.resume.schedule_result), self.num_slots)
-        if saved is not None:
-            log.info("lazytrain: running the plan saved in the checkpoint for batch %d x %d", batch_size, seq)
-            return
-        trainer = self.lightning_module.trainer
-        path = write_plan(self.resume.schedule_result, trainer.log_dir or trainer.default_root_dir)
-        log.info("lazytrain: plan for batch %d x %d written to %s", batch_size, seq, path)
+        if self.plan_settings.kind() == "milp" and self.executor is not None:
+            trainer = self.lightning_module.trainer
+            self.milp_plan.before_batch(batch, self.executor, trainer.global_step,
+                                        trainer.log_dir or trainer.default_root_dir)
 
-    def _maybe_replan(self) -> None:
-        """At a step boundary: solve again when the link drifted from the profile the plan was solved for."""
-        trainer = self.lightning_module.trainer
-        if self.link_drift.probe is None and self.root_device.type == "cuda":
-            self.link_drift.probe = functools.partial(measure_link_cuda, self.root_device)
-        profile = self.link_drift.check(trainer.global_step, getattr(self.resume.schedule_result, "profile", None))
-        if profile is None or self.resume.plan_shape is None:
-            return
-        shape = self.resume.plan_shape
-        self.resume.schedule_result = solve_plan(self.plan_settings, self.executor, *shape, profile=profile)
-        self.executor.set_plan(plan_of(self.resume.schedule_result), self.num_slots)
-        path = write_plan(self.resume.schedule_result, trainer.log_dir or trainer.default_root_dir)
-        log.warning("lazytrain: re-planned at step %d: %s, predicted exposed %.3f s, written to %s",
-                    trainer.global_step, self.resume.schedule_result.counts(),
-                    self.resume.schedule_result.predicted_exposed_seconds, path)
-
+    @override
     def model_to_device(self) -> None:
         """Parameters stay on the host; the executor moves what a step needs."""
 
+    @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         loss = super().backward(closure_loss, optimizer, *args, **kwargs)
         self._drain_gradients()
         return loss
 
-    def _out_of_memory(self, exc: BaseException) -> GpuMemoryError:
-        device = self.root_device
-        free = device_free_bytes(device) if device.type == "cuda" else None
-        plan = self.executor.plan if self.executor is not None else None
-        counts = {h: plan.homes.count(h) for h in sorted(set(plan.homes))} if plan is not None else {}
-        described = f"{counts}, {plan.graph_layers} layers keep their graph" if plan is not None else "not set"
-        return gpu_out_of_memory(exc, free, self.resume.plan_shape, described)
-
-    def _fallback_plan(self):
-        """The next rung's plan while the ladder applies (one process, first steps, no accumulation), else None."""
-        trainer = self.lightning_module.trainer
-        if (self.executor is None or self.distributed or trainer.global_step >= self.oom_ladder.steps
-                or trainer.accumulate_grad_batches != 1):
-            return None
-        shape = self.resume.plan_shape
-        resolve = milp_resolver(self.plan_settings, self.executor, shape) if (
-            self.plan_settings.kind() == "milp" and shape is not None) else None
-        return self.oom_ladder.next_plan(self.executor.plan, self.plan_settings.spill_dir, resolve)
-
     def _drain_gradients(self) -> None:
         if self.executor is not None:
             self.executor.after_backward()
 
-    def optimizer_step(
-        self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
-    ) -> Any:
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         while True:
             try:
                 result = super().optimizer_step(optimizer, closure, model, **kwargs)
                 break
             except torch.OutOfMemoryError as exc:
-                plan = self._fallback_plan()
+                trainer = self.lightning_module.trainer
+                plan = self.oom_ladder.plan_after_oom(self.executor, self.plan_settings, self.resume.plan_shape,
+                                                      trainer.global_step, trainer.accumulate_grad_batches
+                                                      ) if self.replans_alone else None
                 if plan is None:
-                    raise self._out_of_memory(exc) from exc
+                    free = device_free_bytes(self.root_device) if self.root_device.type == "cuda" else None
+                    described = plan_summary(self.executor.plan if self.executor is not None else None)
+                    raise gpu_out_of_memory(exc, free, self.resume.plan_shape, described) from exc
             # outside the except block: the failed step's frames, and the GPU memory they held, are gone
-            discard_step(self.executor)
+            self.executor.discard_step()
             if self.root_device.type == "cuda":
                 torch.cuda.empty_cache()
             self.executor.set_plan(plan, self.num_slots)
@@ -429,24 +271,9 @@ class LazyTrainStrategy(ProcessGroupStrategy):
             self.last_step_stats = stats
         return result
 
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self.distributed and self.executor is not None:
-            self.executor.wait_updates()
-            self.executor.store.load_shard_state(checkpoint["state_dict"])
-            return
-        super().load_model_state_dict(checkpoint, strict=strict)
-        if self.executor is not None:
-            self.executor.after_optimizer_step()
-
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self.distributed and self.executor is not None and self.executor.updates is not None:
-            self.executor.updates.load_state_dict(checkpoint["optimizer_states"][0])
-            return
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            optimizer.load_state_dict(state)
-
+    @override
     def teardown(self) -> None:
-        self.precision_plugin.direct_step = None
+        self.precision_plugin.unbind()
         self.resume.end_run()
         if self.generation is not None:
             self.generation.close()
@@ -462,14 +289,7 @@ class LazyTrainStrategy(ProcessGroupStrategy):
             self.cluster_environment.teardown()
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="Stream HF decoder layers from host memory")
 
-
-def _last_checkpoint(trainer: pl.Trainer) -> str:
-    """The newest checkpoint a ModelCheckpoint callback wrote, for the abort message. Skipped steps leave the
-    weights untouched, so a checkpoint written after one still holds the last good weights."""
-    paths = [getattr(cb, "last_model_path", "") or getattr(cb, "best_model_path", "")
-             for cb in trainer.checkpoint_callbacks]
-    paths = [p for p in paths if p]
-    return paths[-1] if paths else "none (no ModelCheckpoint has saved yet)"

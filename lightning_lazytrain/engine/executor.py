@@ -1,46 +1,31 @@
-"""The streaming executor: owns the host store, the weight slots and the gradient sink, and hooks the HF model.
+"""The streaming executor: owns the host store, the weight slots, the activation homes and the run's update path.
 
-Hooks are instance-level ``forward`` overrides, so module names, parameters and ``state_dict`` stay exactly those
-of the user's model. Decoder layers only record their call; the final norm runs the recorded stack (one autograd
-Function); the embedding, norm and head run on a device-resident bf16 copy whose gradients are drained to the host
-after each backward. With labels, the causal-LM forward routes the loss through the chunked head.
+It hooks the HF model (``hooks.py``: names, parameters and ``state_dict`` unchanged), collects the recorded layer
+calls, and runs them as one autograd Function over a frozen ``StackContext`` (``stack.py``). The embedding, norm and
+head run on a device-resident copy in the stream dtype whose gradients are drained to the host after each backward.
+The gradient/update path (``updates/paths.py``) is given once, by ``use_path``, when the optimizer is known.
 """
 
 from __future__ import annotations
 
-import contextlib
-import types
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from torch import nn
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from lightning_lazytrain.engine.activations.homes import ActivationHomes
 from lightning_lazytrain.engine.device import DeviceQueues, device_free_bytes
-from lightning_lazytrain.engine.grads.direct import DirectGradSink
-from lightning_lazytrain.engine.grads.host import GradSink
-from lightning_lazytrain.engine.grads.sharded import ShardedGradSink
-from lightning_lazytrain.engine.loss import chunked_causal_lm_loss, chunked_token_accuracy
+from lightning_lazytrain.engine.hooks import ModelHooks
 from lightning_lazytrain.engine.plan import StackPlan
 from lightning_lazytrain.engine.stack import LayerCall, StackContext, StackRun, StreamedStack
-from lightning_lazytrain.engine.updates.cpu import UpdateQueue
-from lightning_lazytrain.engine.updates.device import DeviceUpdatePath, assign_device_updates
-from lightning_lazytrain.engine.updates.sharded import ShardedUpdateQueue
-from lightning_lazytrain.engine.weights.binding import bound, leaves_of
+from lightning_lazytrain.engine.updates.paths import UpdatePath
+from lightning_lazytrain.engine.weights.binding import leaves_of
 from lightning_lazytrain.engine.weights.slots import SlotPool
 from lightning_lazytrain.engine.weights.store import HostParamStore
 from lightning_lazytrain.models import ModelAdapter
-from lightning_lazytrain.optim import NonFiniteGuard, clip_coefficient
-
-
-@dataclass
-class StreamedCausalLMOutput(CausalLMOutputWithPast):
-    """The loss without logits (they never exist); in no-grad passes also the teacher-forced token accuracy."""
-
-    token_accuracy: torch.Tensor | None = None
+from lightning_lazytrain.optim import NonFiniteGuard
 
 
 class DeviceTooSmallError(RuntimeError):
@@ -78,20 +63,39 @@ class StreamingExecutor:
         self.pool: SlotPool | None = None
         self.homes: ActivationHomes | None = None
         self.set_plan(plan, num_slots)
-        slot_numel, stream_dtype = self.slot_numel, self.store.stream_dtype
-        self.sink: GradSink | DirectGradSink | ShardedGradSink = GradSink(
-            self.store, self.queues, slot_numel, stream_dtype, timeout_s=timeout_s
-        )
-        self.updates: UpdateQueue | ShardedUpdateQueue | None = None
-        self.device_update_reserve_bytes = 0
-        self._resident_buf = torch.empty(self.resident_unit.numel, dtype=stream_dtype, device=device)
+        self.path: UpdatePath | None = None
+        self._resident_buf = torch.empty(self.resident_unit.numel, dtype=self.store.stream_dtype, device=device)
         self._resident_leaves: list[torch.Tensor] | None = None
         self._resident_generation = -1
         self._anchor = torch.empty(0, device=device, requires_grad=True)
         self._pending: list[LayerCall] = []
-        self._saved_buffers: list[tuple[nn.Module, str, torch.Tensor]] = []
-        self._patched: list[tuple[nn.Module, bool]] = []
-        self._install()
+        self.hooks = ModelHooks(self, self.resident_modules)
+
+    def use_path(self, path: UpdatePath) -> None:
+        """Adopt the run's gradient/update path (``updates/paths.py``); it is chosen once and kept until close."""
+        if self.path is not None:
+            raise RuntimeError("the executor's update path is chosen once per run; close this executor first")
+        self.path = path
+
+    @property
+    def sink(self) -> Any:
+        if self.path is None:
+            raise RuntimeError("no update path yet: the strategy gives the executor one at setup (use_path)")
+        return self.path.sink
+
+    @property
+    def updates(self) -> Any:
+        """The engine's update queue, or None when the user's optimizer is stepped by Lightning."""
+        return self.path.updates if self.path is not None else None
+
+    @property
+    def device_update_reserve_bytes(self) -> int:
+        return self.path.device_reserve_bytes if self.path is not None else 0
+
+    @property
+    def resident_device_bytes(self) -> int:
+        """Device bytes of the resident embedding/norm/head copy and its gradients."""
+        return 2 * self._resident_buf.numel() * self._resident_buf.element_size()
 
     def set_plan(self, plan: StackPlan, num_slots: int | None = None) -> None:
         """Adopt ``plan``: size the weight slot pool for it and open the activation homes it names."""
@@ -112,15 +116,15 @@ class StreamingExecutor:
                 raise DeviceTooSmallError(self._slots_message(slots, self.slot_numel, self.store.stream_dtype)) from err
         self.homes = ActivationHomes(self.queues, plan.homes, self.store.pinned, self.spill_dir, self.timeout_s)
 
-    @contextlib.contextmanager
-    def unhooked(self) -> Iterator[None]:
+    def unhooked(self) -> AbstractContextManager[None]:
         """The layers' own forwards, for code that copies or runs a layer itself (the profiler)."""
-        own = [(m, m.__dict__.pop("forward")) for m, _ in self._patched if "forward" in m.__dict__]
-        try:
-            yield
-        finally:
-            for module, forward in own:
-                module.forward = forward
+        return self.hooks.unhooked()
+
+    def record(self, index: int, call: LayerCall) -> None:
+        """A decoder layer's call, recorded by its hook; the stack runs them all when the final norm asks."""
+        if index == 0:
+            self._pending = []
+        self._pending.append(call)
 
     def _check_device_fits(self, slots: int, slot_numel: int, dtype: torch.dtype) -> None:
         if self.device.type != "cuda":
@@ -138,41 +142,14 @@ class StreamingExecutor:
             " resident layers (smaller keep_graph_layers / interval) or a larger GPU."
         )
 
-    def _install(self) -> None:
-        model = self.adapter.model
-        for module in model.modules():
-            for name, buf in list(module._buffers.items()):
-                if buf is not None and buf.device != self.device:
-                    self._saved_buffers.append((module, name, buf))
-                    module._buffers[name] = buf.to(self.device)
-        for j, layer in enumerate(self.layers):
-            self._patch(layer, types.MethodType(_recorder(self, j), layer))
-            if hasattr(layer, "gradient_checkpointing"):
-                layer.gradient_checkpointing = False
-        for module in self.resident_modules:
-            fn = _norm_forward if module is self.adapter.final_norm else _resident_forward
-            self._patch(module, types.MethodType(_bind_resident(self, fn), module))
-        self._original_forward = types.MethodType(type(model).forward, model)
-        self._patch(model, types.MethodType(_causal_lm_forward(self), model))
-
-    def _patch(self, module: nn.Module, forward: Any) -> None:
-        self._patched.append((module, "forward" in module.__dict__))
-        module.forward = forward
-
     def close(self) -> None:
         """Give the model back as it was (forwards, buffers on their old device), release pinned memory."""
-        for module, had_own in reversed(self._patched):
-            if not had_own:
-                del module.forward
-        self._patched.clear()
-        if self.updates is not None:
-            self.updates.close()
+        self.hooks.remove()
+        if self.path is not None:
+            self.path.close()
+            self.path = None
         if self.homes is not None:
             self.homes.close()
-        for module, name, buf in self._saved_buffers:
-            module._buffers[name] = buf
-        self._saved_buffers.clear()
-        self.sink.close()
         self.store.close()
 
     def resident_tensors(self) -> list[torch.Tensor]:
@@ -216,52 +193,42 @@ class StreamingExecutor:
         if self.updates is None:
             self.store.mark_dirty()
 
-    def enable_direct_updates(self, optimizer: torch.optim.Optimizer, device_update_share: float | None = None) -> None:
-        """Let the engine run ``optimizer.step_params`` per unit from bf16 host gradients, off the main thread.
-
-        ``device_update_share``: the share of parameters whose update runs on the GPU beside the CPU's
-        (``engine/updates/device.py``); ``None`` picks it from the measured CPU update and link rates on CUDA and
-        is 0 on the CPU.
-        """
-        units = self.store.units
-        itemsize = self.store.stream_dtype.itemsize
-        self.device_update_reserve_bytes = assign_device_updates(units, optimizer, device_update_share, self.device,
-                                                                 itemsize)
-        self.sink.close()
-        self.sink = DirectGradSink(self.store, self.queues, self.store.stream_dtype)
-        managed = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        if self.store.master_dtype != self.store.stream_dtype:
-            for unit in units:
-                for e in unit.unique:
-                    if id(e.param) in managed:
-                        copy = unit.stream[e.offset : e.offset + e.numel].view(e.shape)
-                        optimizer.register_stream_copy(e.param, copy)
-        on_device = any(u.update_on_device for u in units)
-        path = DeviceUpdatePath(optimizer, units, self.queues, self.timeout_s) if on_device else None
-        self.updates = UpdateQueue(optimizer, units, self.timeout_s, path)
-
-    def enable_sharded_updates(self, optimizer: torch.optim.Optimizer) -> None:
-        """Several processes (a ``SharedParamStore``): gradients are reduce-scattered on the device, each rank
-        updates its own shard of every unit with a shard optimizer built from ``optimizer``."""
-        self.sink.close()
-        self.sink = ShardedGradSink(self.store, self.queues, self.store.stream_dtype)
-        self.updates = ShardedUpdateQueue(optimizer, self.store, self.timeout_s)
-
     def direct_step(self, clip_val: float | None, guard: NonFiniteGuard, step: int) -> bool:
-        """Queue this step's updates (clipped by the device-side norm); False when a non-finite norm skips it."""
-        assert self.updates is not None and isinstance(self.sink, (DirectGradSink, ShardedGradSink))
-        norm_sq = self.sink.take_norm_sq()
-        if not guard.check(norm_sq, step):
-            for unit in self.store.units:
-                unit.has_grads = False
-            return False
-        coef = clip_coefficient(norm_sq, clip_val) if clip_val else 1.0
-        self.updates.schedule(coef)
-        return True
+        """Queue this step's engine updates; False when a non-finite gradient norm skips the step."""
+        assert self.path is not None
+        return self.path.step(clip_val, guard, step)
 
     def wait_updates(self) -> None:
-        if self.updates is not None:
-            self.updates.wait_all()
+        if self.path is not None:
+            self.path.wait()
+
+    def discard_step(self) -> None:
+        """Forget what a step that failed half-way left behind: its gradients (landed or queued), the resident
+        leaves' gradients, recorded layer calls, and the slot pool (slots it acquired are never released)."""
+        if self.path is not None:
+            self.path.discard()
+        for leaf in self._resident_leaves or []:
+            leaf.grad = None
+        self._pending = []
+        self.pool = None
+
+    def model_state(self) -> dict[str, Any] | None:
+        """A checkpoint's model state when the store's own layout is saved (shards), else None: the module's."""
+        self.wait_updates()
+        return self.store.checkpoint_state()
+
+    def load_model_state(self, state: dict[str, Any]) -> bool:
+        """Load ``model_state()``'s dict into the store; False when the module's ``load_state_dict`` is the way."""
+        self.wait_updates()
+        return self.store.load_checkpoint_state(state)
+
+    def optimizer_state(self) -> dict[str, Any] | None:
+        """A checkpoint's optimizer state when the engine's own optimizer holds it (shards), else None."""
+        self.wait_updates()
+        return self.path.optimizer_state() if self.path is not None else None
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> bool:
+        return self.path is not None and self.path.load_optimizer_state(state)
 
     def take_stats(self) -> dict[str, float]:
         """Transfer counters since the previous call (one optimizer step when called once per step)."""
@@ -290,65 +257,3 @@ class StreamingExecutor:
 def _resident_modules(adapter: ModelAdapter) -> list[nn.Module]:
     layer_ids = {id(m) for layer in adapter.layers for m in layer.modules()}
     return [m for m in adapter.model.modules() if id(m) not in layer_ids and any(True for _ in m._parameters)]
-
-
-def _recorder(executor: StreamingExecutor, j: int):
-    def record(layer: nn.Module, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if j == 0:
-            executor._pending = []
-        executor._pending.append(LayerCall(args, kwargs))
-        return hidden
-
-    return record
-
-
-def _bind_resident(executor: StreamingExecutor, fn):
-    def forward(module: nn.Module, *args: Any, **kwargs: Any):
-        return fn(executor, module, *args, **kwargs)
-
-    return forward
-
-
-def _resident_forward(executor: StreamingExecutor, module: nn.Module, *args: Any, **kwargs: Any):
-    with bound(executor.resident_unit, executor.resident_tensors()):
-        return type(module).forward(module, *args, **kwargs)
-
-
-def _norm_forward(executor: StreamingExecutor, module: nn.Module, hidden: torch.Tensor, *args: Any, **kwargs: Any):
-    return _resident_forward(executor, module, executor.run_stack(hidden), *args, **kwargs)
-
-
-def _on_device(value: Any, device: torch.device) -> Any:
-    return value.to(device) if isinstance(value, torch.Tensor) and value.device != device else value
-
-
-def _causal_lm_forward(executor: StreamingExecutor):
-    def forward(model: nn.Module, input_ids=None, attention_mask=None, position_ids=None, *args: Any, **kwargs: Any):
-        # The HF model's parameters live on the host, so ``model.device`` says CPU and ``generate`` builds some of
-        # its inputs (cache positions, the next step's ids) there; the layers run on the executor's device.
-        input_ids, attention_mask, position_ids = (_on_device(t, executor.device)
-                                                   for t in (input_ids, attention_mask, position_ids))
-        args = tuple(_on_device(a, executor.device) for a in args)
-        kwargs = {k: _on_device(v, executor.device) for k, v in kwargs.items()}
-        labels = kwargs.pop("labels", None)
-        if labels is None:
-            return executor._original_forward(input_ids, attention_mask, position_ids, *args, **kwargs)
-        if args:
-            raise TypeError("with labels, pass the model's other inputs by keyword (input_ids=..., attention_mask=...)")
-        for flag in ("output_hidden_states", "output_attentions"):
-            if kwargs.pop(flag, False):
-                raise ValueError(f"lazytrain streams the decoder layers and does not return {flag}")
-        num_items = kwargs.pop("num_items_in_batch", None)
-        for unused in ("use_cache", "cache", "past_key_values", "logits_to_keep", "return_dict"):
-            kwargs.pop(unused, None)
-        out = executor.adapter.decoder(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **kwargs
-        )
-        hidden, weight = out.last_hidden_state, executor.head_weight()
-        loss = chunked_causal_lm_loss(hidden, weight, labels, num_items, executor.loss_chunk_bytes)
-        accuracy = None
-        if not torch.is_grad_enabled():
-            accuracy = chunked_token_accuracy(hidden, weight, labels, executor.loss_chunk_bytes)
-        return StreamedCausalLMOutput(loss=loss, logits=None, token_accuracy=accuracy)
-
-    return forward

@@ -50,6 +50,10 @@ class StackPlan:
     def graph_layers(self) -> int:
         return sum(self.keep_graph)
 
+    def counts(self) -> dict[str, int]:
+        """Boundaries per home, for the homes the plan uses."""
+        return {h: self.homes.count(h) for h in sorted(set(self.homes))}
+
     def slots_needed(self, prefetch: int = 1) -> int:
         """Device weight slots for this plan: held graphs, the largest block, and room to prefetch ahead."""
         return self.graph_layers + self.max_block + max(1, prefetch)

@@ -3,6 +3,7 @@
 from .clipping import NonFiniteGuard, clip_coefficient, grad_norm_sq
 from .hybrid_adamw import HybridAdamW
 from .kernel import KernelUnavailable, kernel_available, kernel_path
+from .params import managed_ids
 
 __all__ = [
     "HybridAdamW",
@@ -12,4 +13,5 @@ __all__ = [
     "KernelUnavailable",
     "kernel_available",
     "kernel_path",
+    "managed_ids",
 ]

@@ -125,6 +125,13 @@ class GradSink:
         self._covered.clear()
         self._units.clear()
 
+    def discard(self) -> None:
+        """Forget a failed step's gradients: let the copies in flight land, then drop every ``.grad``."""
+        self.flush()
+        for unit in self.store.units:
+            for entry in unit.unique:
+                entry.param.grad = None
+
     def close(self) -> None:
         if self.queues.is_cuda:
             self._worker.shutdown(wait=True)

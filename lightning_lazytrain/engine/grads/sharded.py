@@ -76,6 +76,18 @@ class ShardedGradSink:
     def flush(self) -> None:
         """Nothing to wait for here: each update waits for its own unit's shard."""
 
+    def forget(self) -> None:
+        """A skipped step: no unit has gradients to update from."""
+        for unit in self.store.units:
+            unit.has_grads = False
+
+    def discard(self) -> None:
+        """Forget a failed step's gradients and norm; the device tensors they came from may be freed."""
+        self.take_norm_sq()
+        self.forget()
+        for unit in self.store.units:
+            unit.device_grads = unit.grad_refs = None
+
     def close(self) -> None:
         for unit in self.store.units:
             unit.grad_lowp = unit.grad_refs = None

@@ -16,6 +16,7 @@ import torch
 from lightning_lazytrain.engine.device import host_wait
 from lightning_lazytrain.engine.updates.device import DeviceUpdatePath
 from lightning_lazytrain.engine.weights.store import ParamUnit
+from lightning_lazytrain.optim import managed_ids
 
 
 class UnitUpdateQueue:
@@ -72,7 +73,7 @@ class UpdateQueue(UnitUpdateQueue):
     def __init__(self, optimizer: torch.optim.Optimizer, units: list[ParamUnit], timeout_s: float,
                  device_path: DeviceUpdatePath | None = None) -> None:
         super().__init__(optimizer, units, timeout_s)
-        managed = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        managed = managed_ids(optimizer)
         self._params = {
             u.index: [(i, e.param) for i, e in enumerate(u.unique) if id(e.param) in managed] for u in units
         }

@@ -163,6 +163,14 @@ class SharedParamStore(HostParamStore):
             unit.generation += 1  # device copies made before the load are stale
 
 
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        return self.shard_state()
+
+    def load_checkpoint_state(self, state: dict[str, torch.Tensor]) -> bool:
+        self.load_shard_state(state)
+        return True
+
+
 def _reserve(path: str, nbytes: int) -> None:
     """Allocate the file's pages now: a full tmpfs then fails here with ENOSPC instead of a SIGBUS at first write."""
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)

@@ -156,6 +156,14 @@ class HostParamStore:
         unit.overwrite = False
         unit.touched = False
 
+    def checkpoint_state(self) -> dict[str, torch.Tensor] | None:
+        """The model state a checkpoint saves when it is not the module's ``state_dict`` (None: it is)."""
+        return None
+
+    def load_checkpoint_state(self, state: dict[str, torch.Tensor]) -> bool:
+        """Load ``checkpoint_state()``'s dict; False when the module's ``load_state_dict`` does it."""
+        return False
+
     def close(self) -> None:
         self.pinned.release()
 

@@ -1,0 +1,95 @@
+"""How the strategy saves and restores a run: what a checkpoint holds beyond Lightning's, and where it comes from.
+
+Files go through ``AtomicCheckpointIO`` (atomic saves, loads verified against a manifest; docs/reliability.md).
+A ``last*.ckpt`` that does not verify is swapped for the newest checkpoint beside it that does. The model and
+optimizer states are the module's and the optimizer's own unless the engine holds them in its own layout (rank
+shards with several processes); the file layout (one file or a directory of shards) is the parallel layer's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+from typing_extensions import override
+
+from lightning_lazytrain.checkpoint import sharded as sharded_checkpoint
+from lightning_lazytrain.checkpoint.atomic import AtomicCheckpointIO, CorruptCheckpointError
+from lightning_lazytrain.parallel import ProcessGroupStrategy
+from lightning_lazytrain.resume import STATE_KEY, ResumeState, fallback_for_last
+
+
+class CheckpointingStrategy(ProcessGroupStrategy):
+    """The checkpoint hooks of ``LazyTrainStrategy``, which builds ``executor`` and ``resume``."""
+
+    resume: ResumeState
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicCheckpointIO()
+        elif isinstance(self._checkpoint_io, _WrappingCheckpointIO) and self._checkpoint_io.checkpoint_io is None:
+            self._checkpoint_io.checkpoint_io = AtomicCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        state = self.executor.model_state() if self.executor is not None else None
+        return state if state is not None else super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        state = self.executor.optimizer_state() if self.executor is not None else None
+        return state if state is not None else super().optimizer_state(optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
+        checkpoint[STATE_KEY] = self.resume.dump()
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        if sharded_checkpoint.is_sharded(checkpoint_path):
+            checkpoint = sharded_checkpoint.load_sharded(checkpoint_path, self.global_rank, self.world_size)
+        else:
+            try:
+                checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+            except CorruptCheckpointError as err:
+                # fit(ckpt_path="last") resolved to a last*.ckpt that does not verify: take the newest one that does
+                checkpoint = super().load_checkpoint(fallback_for_last(str(checkpoint_path), err), weights_only)
+        self.resume.load(checkpoint.get(STATE_KEY))
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self.executor is not None and self.executor.load_model_state(checkpoint["state_dict"]):
+            return
+        super().load_model_state_dict(checkpoint, strict=strict)
+        if self.executor is not None:
+            self.executor.after_optimizer_step()
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        states = checkpoint["optimizer_states"]
+        if states and self.executor is not None and self.executor.load_optimizer_state(states[0]):
+            return
+        for optimizer, state in zip(self.optimizers, states):
+            optimizer.load_state_dict(state)
+
+
+def last_checkpoint(trainer: pl.Trainer) -> str:
+    """The newest checkpoint a ModelCheckpoint callback wrote, for the abort message. Skipped steps leave the
+    weights untouched, so a checkpoint written after one still holds the last good weights."""
+    paths = [getattr(cb, "last_model_path", "") or getattr(cb, "best_model_path", "")
+             for cb in trainer.checkpoint_callbacks]
+    paths = [p for p in paths if p]
+    return paths[-1] if paths else "none (no ModelCheckpoint has saved yet)"

@@ -1,0 +1,120 @@
+"""The gradient/update path of a run, chosen once at setup: where weight gradients go and who runs the update.
+
+- ``host_path``: fp32 host accumulators exposed as ``.grad``; the user's optimizer steps, as Lightning calls it.
+- ``direct_path``: bf16 gradients into per-unit pinned buffers, ``HybridAdamW.step_params`` per unit on a worker
+  thread (a share of the units possibly on the GPU, ``updates/device.py``).
+- ``sharded_path``: several processes; gradients reduce-scattered on the device, each rank updates its shard.
+
+The executor is given one path and keeps it for the run; nothing is built to be closed and replaced.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_lazytrain.engine.device import DeviceQueues
+from lightning_lazytrain.engine.grads.direct import DirectGradSink
+from lightning_lazytrain.engine.grads.host import GradSink
+from lightning_lazytrain.engine.grads.sharded import ShardedGradSink
+from lightning_lazytrain.engine.updates.cpu import UpdateQueue
+from lightning_lazytrain.engine.updates.device import DeviceUpdatePath, assign_device_updates
+from lightning_lazytrain.engine.updates.sharded import ShardedUpdateQueue
+from lightning_lazytrain.engine.weights.shared_store import SharedParamStore
+from lightning_lazytrain.engine.weights.store import HostParamStore
+from lightning_lazytrain.optim import NonFiniteGuard, clip_coefficient, managed_ids
+
+
+class UpdatePath:
+    """One run's gradient sink and, when the engine runs the update itself, its update queue."""
+
+    def __init__(self, sink: GradSink | DirectGradSink | ShardedGradSink,
+                 updates: UpdateQueue | ShardedUpdateQueue | None = None, device_reserve_bytes: int = 0) -> None:
+        self.sink, self.updates = sink, updates
+        self.device_reserve_bytes = device_reserve_bytes  # device memory the device-side updates hold
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer whose states the engine's updates allocate (None: Lightning steps the user's)."""
+        return self.updates.optimizer if self.updates is not None else None
+
+    def step(self, clip_val: float | None, guard: NonFiniteGuard, step: int) -> bool:
+        """Queue this step's updates (clipped by the device-side norm); False when a non-finite norm skips it."""
+        assert self.updates is not None and isinstance(self.sink, (DirectGradSink, ShardedGradSink))
+        norm_sq = self.sink.take_norm_sq()
+        if not guard.check(norm_sq, step):
+            self.sink.forget()
+            return False
+        coef = clip_coefficient(norm_sq, clip_val) if clip_val else 1.0
+        self.updates.schedule(coef)
+        return True
+
+    def wait(self) -> None:
+        if self.updates is not None:
+            self.updates.wait_all()
+
+    def discard(self) -> None:
+        """Forget the gradients of a step that failed half-way (landed or in flight)."""
+        self.sink.discard()
+
+    def optimizer_state(self) -> dict[str, Any] | None:
+        """What a checkpoint saves as the optimizer state when it is not the user's optimizer's own."""
+        return None
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> bool:
+        """Restore ``optimizer_state()``'s dict; False when the user's optimizer loads its own."""
+        return False
+
+    def close(self) -> None:
+        if self.updates is not None:
+            self.updates.close()
+        self.sink.close()
+
+
+class ShardedUpdatePath(UpdatePath):
+    """The optimizer state is the shard optimizer's, and it is saved and loaded as such."""
+
+    updates: ShardedUpdateQueue
+
+    def optimizer_state(self) -> dict[str, Any] | None:
+        return self.updates.state_dict()
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> bool:
+        self.updates.load_state_dict(state)
+        return True
+
+
+def host_path(store: HostParamStore, queues: DeviceQueues, staging_numel: int, timeout_s: float) -> UpdatePath:
+    """Gradients accumulated in fp32 on the host as ``.grad``, for any torch optimizer."""
+    return UpdatePath(GradSink(store, queues, staging_numel, store.stream_dtype, timeout_s=timeout_s))
+
+
+def direct_path(store: HostParamStore, queues: DeviceQueues, optimizer: torch.optim.Optimizer,
+                device_update_share: float | None, timeout_s: float) -> UpdatePath:
+    """The engine runs ``optimizer.step_params`` per unit from bf16 host gradients, off the main thread.
+
+    ``device_update_share``: the share of parameters whose update runs on the GPU beside the CPU's
+    (``updates/device.py``); ``None`` picks it from the measured CPU update and link rates on CUDA and is 0 on the
+    CPU.
+    """
+    units = store.units
+    reserve = assign_device_updates(units, optimizer, device_update_share, queues.device, store.stream_dtype.itemsize)
+    sink = DirectGradSink(store, queues, store.stream_dtype)
+    if store.master_dtype != store.stream_dtype:
+        managed = managed_ids(optimizer)
+        for unit in units:
+            for e in unit.unique:
+                if id(e.param) in managed:
+                    optimizer.register_stream_copy(e.param, unit.stream[e.offset : e.offset + e.numel].view(e.shape))
+    on_device = any(u.update_on_device for u in units)
+    device_path = DeviceUpdatePath(optimizer, units, queues, timeout_s) if on_device else None
+    return UpdatePath(sink, UpdateQueue(optimizer, units, timeout_s, device_path), reserve)
+
+
+def sharded_path(store: SharedParamStore, queues: DeviceQueues, optimizer: torch.optim.Optimizer,
+                 timeout_s: float) -> ShardedUpdatePath:
+    """Several processes: gradients are reduce-scattered on the device, each rank updates its own shard of every
+    unit with a shard optimizer built from ``optimizer``."""
+    sink = ShardedGradSink(store, queues, store.stream_dtype)
+    return ShardedUpdatePath(sink, ShardedUpdateQueue(optimizer, store, timeout_s))
