@@ -46,7 +46,7 @@ class Probe(pl.Callback):
                                       for p in pl_module.model.parameters()),
             "masters_view_shared": all(u.master.untyped_storage().data_ptr() == shared_ptr for u in store.units),
             "shard_numel": sum(u.master.numel() for u in store.units),
-            "grad_shard_numel": sum(u.grad_lowp.numel() for u in store.units),
+            "grad_shard_numel": sum(g.host.numel() for g in strategy.executor.sink.grads.values()),
             "host_pieces": strategy.admission_report.tiers["host"].pieces,
             "world_size": strategy.world_size,
             "local_world": strategy.topology.local_world,

@@ -237,10 +237,9 @@ class StreamingExecutor:
         copies, h2d, d2h = (a - b for a, b in zip(now, before))
         homes = self.homes.stats() if self.homes is not None else {}
         waited = sum(u.update_wait_seconds for u in self.store.units)
-        busy = sum(u.update_busy_seconds for u in self.store.units if not u.update_on_device)
-        device_busy = sum(u.update_busy_seconds for u in self.store.units if u.update_on_device)
         for unit in self.store.units:
-            unit.update_wait_seconds = unit.update_busy_seconds = 0.0
+            unit.update_wait_seconds = 0.0
+        busy, device_busy = self.updates.take_busy_seconds() if self.updates is not None else (0.0, 0.0)
         gpu = self.queues.take_busy_idle_seconds()  # CUDA events; absent on the CPU
         gpu_stats = {} if gpu is None else {"gpu_layer_busy_s": gpu[0], "gpu_idle_s": gpu[1]}
         return {**gpu_stats, "layer_h2d_copies": float(copies), "h2d_gib": h2d / 2**30, "d2h_gib": d2h / 2**30,

@@ -125,6 +125,10 @@ class GradSink:
         self._covered.clear()
         self._units.clear()
 
+    def held_bytes(self) -> int:
+        """Host gradient bytes beyond the store's accumulators, for admission (its staging buffers are not counted)."""
+        return 0
+
     def discard(self) -> None:
         """Forget a failed step's gradients: let the copies in flight land, then drop every ``.grad``."""
         self.flush()

@@ -16,55 +16,53 @@ import torch
 import torch.distributed as dist
 
 from lightning_lazytrain.engine.device import DeviceQueues
+from lightning_lazytrain.engine.grads.handoff import HandoffSink
 from lightning_lazytrain.engine.weights.shared_store import SharedParamStore
 from lightning_lazytrain.engine.weights.store import ParamUnit
 from lightning_lazytrain.optim import grad_norm_sq
 
 
-class ShardedGradSink:
+class ShardedGradSink(HandoffSink):
     def __init__(self, store: SharedParamStore, queues: DeviceQueues, dtype: torch.dtype) -> None:
-        self.store, self.queues, self.dtype = store, queues, dtype
+        super().__init__(store, queues)
+        self.store, self.dtype = store, dtype
         self.world_size = store.topology.world_size
-        self.d2h_bytes = 0
         for unit, lay in zip(store.units, store.layouts):
-            unit.grad_lowp = store.pinned.empty(lay.shard, dtype)
-        self._norm_sq: torch.Tensor | None = None
+            self.of(unit).host = store.pinned.empty(lay.shard, dtype)
         self._in_flight: list[tuple[ParamUnit, dist.Work]] = []
 
     def submit(self, unit: ParamUnit, grads: list[torch.Tensor | None]) -> None:
         unit.await_update()
         lay = self.store.layouts[unit.index]
+        handoff = self.of(unit)
         device = self.queues.device
         parts = [torch.zeros(e.numel, dtype=self.dtype, device=device) if g is None else g.reshape(-1).to(self.dtype)
                  for e, g in zip(unit.unique, grads)]
         if lay.padded > lay.numel:
             parts.append(torch.zeros(lay.padded - lay.numel, dtype=self.dtype, device=device))
         flat = torch.cat(parts)
-        shard = torch.empty(lay.shard, dtype=self.dtype, device=device) if self.queues.is_cuda else unit.grad_lowp
+        shard = torch.empty(lay.shard, dtype=self.dtype, device=device) if self.queues.is_cuda else handoff.host
         work = dist.reduce_scatter_single(shard, flat, async_op=True)
         if self.queues.is_cuda:
             with self.queues.on(self.queues.d2h):
                 work.wait()  # the D2H stream waits for the collective; the host does not
                 self._add_norm(grad_norm_sq([shard]))
-                unit.grad_lowp.copy_(shard, non_blocking=True)
-            unit.grads_ready = self.queues.record(self.queues.d2h)
+                handoff.host.copy_(shard, non_blocking=True)
+            handoff.ready = self.queues.record(self.queues.d2h)
             # The collective's buffers must outlive it; the update job drops them once the shard is on the host.
-            unit.grad_refs = [flat, shard]
+            handoff.refs = [flat, shard]
         else:
             self._in_flight.append((unit, work))
-        self.d2h_bytes += lay.shard * unit.grad_lowp.element_size()
-        unit.has_grads = True
-
-    def _add_norm(self, norm_sq: torch.Tensor) -> None:
-        self._norm_sq = norm_sq if self._norm_sq is None else self._norm_sq + norm_sq
+        self.d2h_bytes += lay.shard * handoff.host.element_size()
+        handoff.fresh = True
 
     def take_norm_sq(self) -> float:
         """The squared norm of this step's averaged gradient over all ranks (one all-reduce, one host sync)."""
         in_flight, self._in_flight = self._in_flight, []
         for unit, work in in_flight:
             work.wait()
-            self._add_norm(grad_norm_sq([unit.grad_lowp]))
-        total, self._norm_sq = self._norm_sq, None
+            self._add_norm(grad_norm_sq([self.of(unit).host]))
+        total = self._take_norm()
         if total is None:
             total = torch.zeros((), dtype=torch.float32, device=self.queues.device)
         if self.queues.is_cuda:
@@ -72,22 +70,3 @@ class ShardedGradSink:
         total = total.to(self.queues.device)
         dist.all_reduce(total)
         return float(total) / self.world_size**2
-
-    def flush(self) -> None:
-        """Nothing to wait for here: each update waits for its own unit's shard."""
-
-    def forget(self) -> None:
-        """A skipped step: no unit has gradients to update from."""
-        for unit in self.store.units:
-            unit.has_grads = False
-
-    def discard(self) -> None:
-        """Forget a failed step's gradients and norm; the device tensors they came from may be freed."""
-        self.take_norm_sq()
-        self.forget()
-        for unit in self.store.units:
-            unit.device_grads = unit.grad_refs = None
-
-    def close(self) -> None:
-        for unit in self.store.units:
-            unit.grad_lowp = unit.grad_refs = None

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from lightning_lazytrain.engine.device import host_wait
+from lightning_lazytrain.engine.grads.handoff import HandoffSink
 from lightning_lazytrain.engine.updates.device import DeviceUpdatePath
 from lightning_lazytrain.engine.weights.store import ParamUnit
 from lightning_lazytrain.optim import managed_ids
@@ -22,10 +23,13 @@ from lightning_lazytrain.optim import managed_ids
 class UnitUpdateQueue:
     """The worker thread and the ordering shared by every update queue; subclasses say what one unit's job is."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, units: list[ParamUnit], timeout_s: float) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, units: list[ParamUnit], sink: HandoffSink,
+                 timeout_s: float) -> None:
         self.optimizer = optimizer
         self.units = units
+        self.sink = sink  # the path's sink: it hands each unit's gradients over (``grads/handoff.py``)
         self.timeout_s = timeout_s
+        self._busy = {unit.index: 0.0 for unit in units}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-update")
 
     def _submit(self, coef: float) -> None:
@@ -33,9 +37,10 @@ class UnitUpdateQueue:
         unit's previous update; the learning rates are read now, so a scheduler stepping meanwhile cannot leak in."""
         lr_of = {id(group): group["lr"] for group in self.optimizer.param_groups}
         for unit in self.units:
-            if not unit.has_grads:
+            grads = self.sink.of(unit)
+            if not grads.fresh:
                 continue
-            unit.has_grads = False
+            grads.fresh = False
             unit.await_update()
             unit.pending_update = self._pool_for(unit).submit(self._timed, unit, coef, lr_of)
 
@@ -48,7 +53,14 @@ class UnitUpdateQueue:
         try:
             self._run(unit, coef, lr_of)
         finally:
-            unit.update_busy_seconds += time.perf_counter() - start
+            self._busy[unit.index] += time.perf_counter() - start
+
+    def take_busy_seconds(self) -> tuple[float, float]:
+        """(CPU worker, device worker) seconds spent on updates since the last call."""
+        cpu = sum(t for i, t in self._busy.items() if not self.sink.grads[i].on_device)
+        device = sum(t for i, t in self._busy.items() if self.sink.grads[i].on_device)
+        self._busy = dict.fromkeys(self._busy, 0.0)
+        return cpu, device
 
     def _run(self, unit: ParamUnit, coef: float, lr_of: dict[int, float]) -> None:
         raise NotImplementedError
@@ -70,9 +82,9 @@ class UpdateQueue(UnitUpdateQueue):
     """Units updated by ``optimizer.step_params`` on the CPU worker; with a ``DeviceUpdatePath``, the units it
     holds are updated on the GPU by a second worker at the same time."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, units: list[ParamUnit], timeout_s: float,
-                 device_path: DeviceUpdatePath | None = None) -> None:
-        super().__init__(optimizer, units, timeout_s)
+    def __init__(self, optimizer: torch.optim.Optimizer, units: list[ParamUnit], sink: HandoffSink,
+                 timeout_s: float, device_path: DeviceUpdatePath | None = None) -> None:
+        super().__init__(optimizer, units, sink, timeout_s)
         managed = managed_ids(optimizer)
         self._params = {
             u.index: [(i, e.param) for i, e in enumerate(u.unique) if id(e.param) in managed] for u in units
@@ -86,17 +98,19 @@ class UpdateQueue(UnitUpdateQueue):
         self._submit(clip_coef)
 
     def _pool_for(self, unit: ParamUnit) -> ThreadPoolExecutor:
-        return self._device_pool if unit.update_on_device and self._device_pool is not None else self._pool
+        return self._device_pool if self.sink.of(unit).on_device and self._device_pool is not None else self._pool
 
     def _run(self, unit: ParamUnit, clip_coef: float, lr_of: dict[int, float]) -> None:
         chosen = [(i, p) for i, p in self._params[unit.index] if p.requires_grad]
-        if unit.update_on_device and self.device_path is not None:
-            kept, unit.device_grads = unit.device_grads or [None] * len(unit.unique), None
-            self.device_path.run(unit, [p for _, p in chosen], [kept[i] for i, _ in chosen], clip_coef, lr_of)
+        handoff = self.sink.of(unit)
+        if handoff.on_device and self.device_path is not None:
+            kept, handoff.kept = handoff.kept or [None] * len(unit.unique), None
+            self.device_path.run(unit, [p for _, p in chosen], [kept[i] for i, _ in chosen], handoff.ready,
+                                 clip_coef, lr_of)
         else:
-            host_wait(unit.grads_ready, f"the gradient copy of {unit.label}", self.timeout_s)
-            unit.grad_refs = None
-            grads = [unit.grad_lowp[unit.unique[i].offset : unit.unique[i].offset + p.numel()].view(p.shape)
+            host_wait(handoff.ready, f"the gradient copy of {unit.label}", self.timeout_s)
+            handoff.refs = None
+            grads = [handoff.host[unit.unique[i].offset : unit.unique[i].offset + p.numel()].view(p.shape)
                      for i, p in chosen]
             self.optimizer.step_params([p for _, p in chosen], clip_coef, grads, lr_of)
         unit.generation += 1

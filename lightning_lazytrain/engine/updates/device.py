@@ -97,9 +97,9 @@ def measure_cpu_update_rate(optimizer: torch.optim.Optimizer, numel: int = 1 << 
 
 
 def assign_device_updates(units: list[ParamUnit], optimizer: torch.optim.Optimizer, share: float | None,
-                          device: torch.device, stream_itemsize: int) -> int:
-    """Mark the units whose update runs on ``device`` (``share`` of the parameters, or ``None``: by the timing split
-    on CUDA, none elsewhere); returns the device bytes that holds beside the plan's activations."""
+                          device: torch.device, stream_itemsize: int) -> tuple[list[bool], int]:
+    """Which units' update runs on ``device`` (``share`` of the parameters, or ``None``: by the timing split on
+    CUDA, none elsewhere), and the device bytes that holds beside the plan's activations."""
     traffic = [unit_traffic(u, optimizer, stream_itemsize) for u in units]
     if share is not None:
         flags = split_by_share(traffic, share)
@@ -107,11 +107,9 @@ def assign_device_updates(units: list[ParamUnit], optimizer: torch.optim.Optimiz
         flags = _timed_split(optimizer, traffic, device)
     else:
         flags = [False] * len(units)
-    for unit, flag in zip(units, flags, strict=True):
-        unit.update_on_device = flag
     on_device = [t for t, f in zip(traffic, flags, strict=True) if f]
     # kept gradients until their update ran, plus one unit's master and states in flight (two, double-buffered)
-    return sum(t.grad_bytes for t in on_device) + 2 * max((t.h2d_bytes for t in on_device), default=0)
+    return flags, sum(t.grad_bytes for t in on_device) + 2 * max((t.h2d_bytes for t in on_device), default=0)
 
 
 def _timed_split(optimizer: torch.optim.Optimizer, traffic: list[UnitTraffic], device: torch.device) -> list[bool]:
@@ -128,12 +126,12 @@ def _timed_split(optimizer: torch.optim.Optimizer, traffic: list[UnitTraffic], d
 
 
 class DeviceUpdatePath:
-    """Runs the updates of the units marked ``update_on_device`` on a stream of their own, from a worker thread."""
+    """Runs the updates of ``units`` (those assigned to the device) on a stream of their own, from a worker thread."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, units: list[ParamUnit], queues: DeviceQueues,
                  timeout_s: float) -> None:
         self.optimizer, self.queues, self.timeout_s = optimizer, queues, timeout_s
-        self.units = [u for u in units if u.update_on_device]
+        self.units = units
         self.stream = torch.cuda.Stream(queues.device) if queues.is_cuda else None
         self._registered: list[int] = []
         if queues.is_cuda:
@@ -155,11 +153,12 @@ class DeviceUpdatePath:
             return
         self._registered.append(ptr)
 
-    def run(self, unit: ParamUnit, params: list[torch.Tensor], grads: list[torch.Tensor | None], clip_coef: float,
-            lr_of: dict[int, float]) -> None:
+    def run(self, unit: ParamUnit, params: list[torch.Tensor], grads: list[torch.Tensor | None], ready: object,
+            clip_coef: float, lr_of: dict[int, float]) -> None:
+        """``ready``: the event after the backward that produced ``grads``."""
         q = self.queues
         with q.on(self.stream):
-            q.wait(unit.grads_ready, self.stream)
+            q.wait(ready, self.stream)
             # a parameter the backward left without a gradient is updated with zeros, as the CPU path does
             kept = [g if g is not None else torch.zeros(p.shape, device=q.device) for p, g in zip(params, grads,
                                                                                                    strict=True)]

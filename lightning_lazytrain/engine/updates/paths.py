@@ -99,17 +99,18 @@ def direct_path(store: HostParamStore, queues: DeviceQueues, optimizer: torch.op
     CPU.
     """
     units = store.units
-    reserve = assign_device_updates(units, optimizer, device_update_share, queues.device, store.stream_dtype.itemsize)
-    sink = DirectGradSink(store, queues, store.stream_dtype)
+    on_device, reserve = assign_device_updates(units, optimizer, device_update_share, queues.device,
+                                               store.stream_dtype.itemsize)
+    sink = DirectGradSink(store, queues, store.stream_dtype, on_device)
     if store.master_dtype != store.stream_dtype:
         managed = managed_ids(optimizer)
         for unit in units:
             for e in unit.unique:
                 if id(e.param) in managed:
                     optimizer.register_stream_copy(e.param, unit.stream[e.offset : e.offset + e.numel].view(e.shape))
-    on_device = any(u.update_on_device for u in units)
-    device_path = DeviceUpdatePath(optimizer, units, queues, timeout_s) if on_device else None
-    return UpdatePath(sink, UpdateQueue(optimizer, units, timeout_s, device_path), reserve)
+    device_units = [u for u, flag in zip(units, on_device, strict=True) if flag]
+    device_path = DeviceUpdatePath(optimizer, device_units, queues, timeout_s) if device_units else None
+    return UpdatePath(sink, UpdateQueue(optimizer, units, sink, timeout_s, device_path), reserve)
 
 
 def sharded_path(store: SharedParamStore, queues: DeviceQueues, optimizer: torch.optim.Optimizer,
@@ -117,4 +118,4 @@ def sharded_path(store: SharedParamStore, queues: DeviceQueues, optimizer: torch
     """Several processes: gradients are reduce-scattered on the device, each rank updates its own shard of every
     unit with a shard optimizer built from ``optimizer``."""
     sink = ShardedGradSink(store, queues, store.stream_dtype)
-    return ShardedUpdatePath(sink, ShardedUpdateQueue(optimizer, store, timeout_s))
+    return ShardedUpdatePath(sink, ShardedUpdateQueue(optimizer, store, sink, timeout_s))

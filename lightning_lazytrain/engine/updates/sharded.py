@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_lazytrain.engine.device import host_wait
+from lightning_lazytrain.engine.grads.handoff import HandoffSink
 from lightning_lazytrain.engine.updates.cpu import UnitUpdateQueue
 from lightning_lazytrain.engine.weights.shared_store import SharedParamStore
 from lightning_lazytrain.engine.weights.store import ParamEntry, ParamUnit
@@ -41,10 +42,10 @@ def shard_optimizer(user: HybridAdamW, store: SharedParamStore) -> tuple[HybridA
     for unit, lay in zip(store.units, store.layouts):
         pieces[unit.index] = []
         for e in unit.unique:
-            lo, hi = max(lay.start, e.offset), min(lay.stop, e.offset + e.numel)
-            if id(e.param) not in group_of or lo >= hi:
+            part = lay.overlap(e.offset, e.numel)
+            if id(e.param) not in group_of or part is None:
                 continue
-            piece = Piece(unit.master[lo - lay.start : hi - lay.start], e, lo - lay.start, hi - lay.start)
+            piece = Piece(unit.master[part[0] : part[1]], e, *part)
             pieces[unit.index].append(piece)
             groups[group_of[id(e.param)]]["params"].append(piece.tensor)
     threads = max(1, (user.num_threads or len(os.sched_getaffinity(0))) // store.topology.local_world)
@@ -59,9 +60,9 @@ def shard_optimizer(user: HybridAdamW, store: SharedParamStore) -> tuple[HybridA
 
 
 class ShardedUpdateQueue(UnitUpdateQueue):
-    def __init__(self, user: HybridAdamW, store: SharedParamStore, timeout_s: float) -> None:
+    def __init__(self, user: HybridAdamW, store: SharedParamStore, sink: HandoffSink, timeout_s: float) -> None:
         shard, self._pieces = shard_optimizer(user, store)
-        super().__init__(shard, store.units, timeout_s)
+        super().__init__(shard, store.units, sink, timeout_s)
         self.user, self.store = user, store
 
     def sync_hyperparameters(self) -> None:
@@ -86,10 +87,11 @@ class ShardedUpdateQueue(UnitUpdateQueue):
         self._submit(coef)
 
     def _run(self, unit: ParamUnit, coef: float, lr_of: dict[int, float]) -> None:
-        host_wait(unit.grads_ready, f"the gradient shard of {unit.label}", self.timeout_s)
-        unit.grad_refs = None
+        handoff = self.sink.of(unit)
+        host_wait(handoff.ready, f"the gradient shard of {unit.label}", self.timeout_s)
+        handoff.refs = None
         chosen = [p for p in self._pieces[unit.index] if p.entry.param.requires_grad]
-        grads = [unit.grad_lowp[p.lo : p.hi] for p in chosen]
+        grads = [handoff.host[p.lo : p.hi] for p in chosen]
         self.optimizer.step_params([p.tensor for p in chosen], coef, grads, lr_of)
         self.store.publish(unit)
         unit.generation += 1

@@ -42,6 +42,12 @@ class ShardLayout:
     def shard(self) -> int:
         return self.stop - self.start
 
+    def overlap(self, offset: int, numel: int) -> tuple[int, int] | None:
+        """The part of unit elements ``[offset, offset + numel)`` inside this rank's shard, as (lo, hi) in the
+        shard's own coordinates (``lo + start`` in the unit's); None when they do not meet."""
+        lo, hi = max(self.start, offset), min(self.stop, offset + numel)
+        return (lo - self.start, hi - self.start) if lo < hi else None
+
 
 class SharedParamStore(HostParamStore):
     def __init__(
@@ -115,10 +121,11 @@ class SharedParamStore(HostParamStore):
         else:
             master = torch.zeros(lay.shard, dtype=self.master_dtype)
             for e in unique:
-                lo, hi = max(lay.start, e.offset), min(lay.stop, e.offset + e.numel)
-                if lo < hi:
-                    source = e.param.data.reshape(-1)[lo - e.offset : hi - e.offset]
-                    master[lo - lay.start : hi - lay.start].copy_(source)
+                part = lay.overlap(e.offset, e.numel)
+                if part is not None:
+                    lo, hi = part
+                    skip = lay.start - e.offset  # where the shard starts in the parameter's own elements
+                    master[lo:hi].copy_(e.param.data.reshape(-1)[lo + skip : hi + skip])
         stream = padded[: lay.numel]
         for e in unique:
             e.param.data = stream[e.offset : e.offset + e.numel].view(e.shape)

@@ -45,15 +45,8 @@ class ParamUnit:
     overwrite: bool = False
     touched: bool = False
     unique: list[ParamEntry] = field(default_factory=list)
-    grad_lowp: torch.Tensor | None = None
-    grads_ready: object = None
-    grad_refs: list | None = None
-    has_grads: bool = False
     pending_update: Future | None = None
     update_wait_seconds: float = 0.0
-    update_busy_seconds: float = 0.0
-    update_on_device: bool = False
-    device_grads: list | None = None
 
     def await_update(self, timeout_s: float = 600.0) -> None:
         """Block until an optimizer update of this unit that runs on a worker thread has finished.
