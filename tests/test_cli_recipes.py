@@ -53,6 +53,26 @@ def test_recipe_parses(recipe, capsys):
         assert cfg["model"]["pretrained"].startswith("Qwen/")
 
 
+@pytest.mark.parametrize("name", GPU_RECIPES)
+def test_gpu_recipes_save_resumable_checkpoints(name):
+    config = yaml.safe_load(recipe_path(name).read_text())
+    (saver,) = [c["init_args"] for c in config["trainer"]["callbacks"]
+                if c["class_path"] == "lightning_lazytrain.sft.checkpointing.ResumableModelCheckpoint"]
+    # a fixed directory (--ckpt_path last looks there), saves every 250 steps, the newest 2 kept, last.ckpt a link
+    assert saver["dirpath"] == f"runs/{name}/checkpoints" and saver["every_n_train_steps"] == 250
+    assert saver["save_top_k"] == 2 and (saver["monitor"], saver["mode"]) == ("step", "max")
+    assert saver["save_last"] == "link" and saver["save_weights_only"] is False
+    assert config["trainer"].get("enable_checkpointing", True)
+
+
+def test_a_recipe_override_reaches_its_checkpoint_callback(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", "qwen2.5-7b", "--trainer.callbacks.init_args.save_weights_only", "true",
+              "--print_config"])
+    callbacks = yaml.safe_load(capsys.readouterr().out)["trainer"]["callbacks"]
+    assert callbacks[-1]["init_args"]["save_weights_only"] is True
+
+
 def test_missing_config_means_demo():
     assert _with_default_config(["fit"]) == ["fit", "--config", str(DEMO_RECIPE)]
     assert _with_default_config(["fit", "--config", "x.yaml"]) == ["fit", "--config", "x.yaml"]

@@ -18,13 +18,13 @@ import shutil
 import sys
 import warnings
 from dataclasses import replace
-from pathlib import Path
 
 import psutil
 import torch
 
 from lightning_lazytrain.models.adapter import UnsupportedModelError, adapter_for
 from lightning_lazytrain.schedule.analytic import analytic_profile, scale_profile
+from lightning_lazytrain.schedule.disk import checkpoints_kept, free_bytes
 from lightning_lazytrain.schedule.forecast import Forecast, Machine, RunSpec, forecast, largest_batch
 from lightning_lazytrain.schedule.gpus import GPUS, GpuSpec, gpu_spec, spec_for_device
 from lightning_lazytrain.sft.cli import ConfigError, LazyTrainCLI
@@ -105,11 +105,11 @@ def _model_checkpoints(trainer: dict) -> list[dict]:
 
 
 def _checkpoints_kept(trainer: dict) -> int:
-    """Checkpoints on disk: each ModelCheckpoint's save_top_k (-1, all, counted as 1), else Lightning's default
-    callback (one) unless checkpointing is off."""
+    """Checkpoints on disk: each ModelCheckpoint's (its save_top_k, -1 counted as 1, and a last.ckpt copy), else
+    Lightning's default callback (one) unless checkpointing is off."""
     callbacks = _model_checkpoints(trainer)
     if callbacks:
-        return sum(max(1, int(args.get("save_top_k", 1))) for args in callbacks)
+        return sum(checkpoints_kept(int(args.get("save_top_k", 1)), args.get("save_last")) for args in callbacks)
     return 0 if trainer.get("enable_checkpointing") is False else 1
 
 
@@ -122,14 +122,6 @@ def _checkpoint_dir(trainer: dict) -> str:
     if isinstance(logger, dict) and (logger.get("init_args") or {}).get("save_dir"):
         return str(logger["init_args"]["save_dir"])
     return str(trainer.get("default_root_dir") or ".")
-
-
-def _free_bytes(path: str) -> int:
-    """Free space of the filesystem ``path`` is (or will be created) on."""
-    target = Path(path).expanduser().absolute()
-    while not target.exists():
-        target = target.parent
-    return shutil.disk_usage(target).free
 
 
 def _state_bytes(model: dict) -> float:
@@ -215,7 +207,7 @@ def _plan(cli: PlanCLI) -> dict:
         int(host * GIB) if host is not None else psutil.virtual_memory().available,
         shutil.disk_usage(disk_dir).free if run.spill_dir else 0,
         float(cfg.get("update_gparams_per_s") or UPDATE_GPARAMS_PER_S) * 1e9,
-        _free_bytes(_checkpoint_dir(trainer)),
+        free_bytes(_checkpoint_dir(trainer)),
     )
     batch = int(data.get("batch_size") or 1)
     asked = forecast(run, machine, batch, profile_for)

@@ -1,0 +1,118 @@
+"""``ResumableModelCheckpoint``: the GPU recipes' checkpoints, checked against the disk before the first save.
+
+A 7B full-state checkpoint (fp32 masters + Adam states) is about 90 GB. Lightning finds out that the disk is too
+small when a save fails, hours into a run; this callback finds out at fit start, from the same size arithmetic
+``lazytrain plan`` uses (`lightning_lazytrain.schedule.disk`), and says which setting to change.
+
+Saves go through ``trainer.save_checkpoint`` -> the strategy -> its ``AtomicCheckpointIO`` (temporary name, fsync,
+rename, sha256 manifest), so a kill during a save leaves the previous checkpoint loadable.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_lazytrain.schedule.disk import checkpoint_bytes, checkpoint_tier, checkpoints_kept, free_bytes
+
+GB = 1e9
+#: optimizer state bytes per parameter assumed when the optimizer has made none yet (torch's AdamW makes its two
+#: fp32 moments at the first step)
+UNMADE_STATE_BYTES_PER_PARAM = 8.0
+
+
+class CheckpointDiskError(MisconfigurationException):
+    """The checkpoints a run will keep do not fit the free space where they are written."""
+
+
+def optimizer_state_bytes(optimizers: list[torch.optim.Optimizer]) -> int:
+    """Bytes of the optimizers' state tensors now (HybridAdamW's own count when it has one: its 8-bit codes)."""
+    total = 0
+    for opt in optimizers:
+        measure = getattr(opt, "state_bytes", None)
+        if callable(measure):
+            total += int(measure())
+            continue
+        for state in opt.state.values():
+            total += sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
+    return total
+
+
+class ResumableModelCheckpoint(ModelCheckpoint):
+    """Lightning's ``ModelCheckpoint`` (same arguments), plus:
+
+    * at fit start, before the first save, the checkpoints it will keep (``save_top_k``, a ``last.ckpt`` copy,
+      and one more while a save is written) are sized, masters plus optimizer states or masters alone under
+      ``save_weights_only``, and compared with the free space at ``dirpath``. Files it already manages there (a
+      resumed run's) count as free: its saves replace them. Not enough: :class:`CheckpointDiskError`, naming the
+      directory, the sizes and what to change;
+    * filenames never contain a folder: every '/' becomes '_' (``{val/loss}`` with ``auto_insert_metric_name``
+      would write ``epoch=0-val/loss=1.23.ckpt``, a file in a new directory ``epoch=0-val``). Folders go in
+      ``dirpath``.
+
+    ``fit(ckpt_path="last")`` (``lazytrain fit ... --ckpt_path last``) resumes from ``dirpath``'s ``last.ckpt``:
+    give the recipe a fixed ``dirpath``, or every run looks in its own new logger version directory.
+    """
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        if self.save_top_k != 0 or self.save_last:
+            self.check_disk(trainer, pl_module)
+
+    def check_disk(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Raise :class:`CheckpointDiskError` when the checkpoints this run keeps exceed the free disk."""
+        num_params = sum(p.numel() for p in pl_module.parameters())
+        if self.save_weights_only:
+            state = 0.0
+        else:
+            made = optimizer_state_bytes(trainer.optimizers)
+            state = made / num_params if made else UNMADE_STATE_BYTES_PER_PARAM
+        precision = str(trainer.precision)
+        kept = checkpoints_kept(self.save_top_k, self.save_last, self._saves(trainer))
+        directory = os.fspath(self.dirpath or trainer.default_root_dir)
+        reclaimed = self._own_files_bytes()
+        tier = checkpoint_tier(num_params, precision, state, kept, free_bytes(directory) + reclaimed)
+        if not tier.short:
+            return
+        one = checkpoint_bytes(num_params, precision, state)
+        weights = checkpoint_bytes(num_params, precision, 0.0)
+        kind = "weights-only" if self.save_weights_only else "full-state"
+        master = 2 if precision == "bf16-true" else 4
+        what = f"{num_params / 1e9:.2f} B params x ({master} B masters + {state:.2f} B optimizer states)"
+        fixes = [f"dirpath (a disk with {tier.need / GB:.1f} GB free)"]
+        if kept > 1:
+            fixes.append(f"save_top_k (now {self.save_top_k}; each one kept is {one / GB:.1f} GB)")
+        if self.save_last is True and self.save_top_k != 0:
+            fixes.append("save_last: link (last.ckpt a symlink to the newest checkpoint, not a copy)")
+        if not self.save_weights_only:
+            fixes.append(f"save_weights_only: true ({weights / GB:.1f} GB each, but no optimizer states: not"
+                         " resumable exactly)")
+        freed = f" (counting {reclaimed / GB:.1f} GB of this run's checkpoints there)" if reclaimed else ""
+        raise CheckpointDiskError(
+            f"the checkpoints do not fit the disk at {directory}: {kept + 1} {kind} checkpoints ({kept} kept, 1 being"
+            f" saved) of {one / GB:.1f} GB each [{what}] need {tier.need / GB:.1f} GB, {tier.have / GB:.1f} GB is"
+            f" free{freed}. Change in the {type(self).__name__} callback: {'; or '.join(fixes)}."
+        )
+
+    def _saves(self, trainer: pl.Trainer) -> int:
+        """How many top-k saves the run makes (what ``save_top_k=-1`` keeps); 1 when that is not known."""
+        if self._every_n_train_steps:
+            total = trainer.estimated_stepping_batches
+            return int(total // self._every_n_train_steps) if math.isfinite(total) else 1
+        max_epochs = trainer.max_epochs if trainer.max_epochs is not None else -1
+        return max(1, max_epochs // max(1, self._every_n_epochs))
+
+    def _own_files_bytes(self) -> int:
+        """Bytes of the checkpoint files this callback manages now (restored from a resumed run's state)."""
+        paths = {os.path.realpath(p) for p in [*self.best_k_models, self.last_model_path] if p}
+        return sum(os.path.getsize(p) for p in paths if os.path.isfile(p))
+
+    def _format_checkpoint_name(self, filename: str | None, metrics: dict[str, torch.Tensor],
+                                prefix: str | None = None, auto_insert_metric_name: bool = True) -> str:
+        name = super()._format_checkpoint_name(filename, metrics, prefix, auto_insert_metric_name)
+        return name.replace("/", "_")

@@ -1,0 +1,70 @@
+"""``lazytrain fit --ckpt_path last`` through the CLI, with the recipes' checkpoint callback: a run that dies after
+step 3 (its newest save is step 2) and is resumed ends with the weights and optimizer states of an unbroken run."""
+
+import csv
+import json
+import os
+
+import pytest
+import torch
+from resume_setup import assert_same_tree
+
+from lightning_lazytrain.sft.cli import main
+
+TINY = dict(model_type="qwen2", vocab_size=151669, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=True)
+STEPS = 6
+
+
+@pytest.fixture(autouse=True)
+def _plain_argv(monkeypatch):
+    monkeypatch.setattr("sys.argv", ["lazytrain"])  # LightningCLI warns when pytest's argv is there too
+
+
+def _lazytrain(run_dir, crash_at=None, resume=False):
+    callbacks = [{
+        "class_path": "lightning_lazytrain.sft.checkpointing.ResumableModelCheckpoint",
+        "init_args": {"dirpath": str(run_dir / "checkpoints"), "every_n_train_steps": 2, "monitor": "step",
+                      "mode": "max", "save_top_k": 2, "save_last": "link"},
+    }]
+    if crash_at is not None:
+        callbacks.append({"class_path": "resume_setup.CrashAt", "init_args": {"step": crash_at}})
+    args = ["fit", "--config", "demo", "--model.model_config", json.dumps(TINY),
+            "--model.optimizer", "lightning_lazytrain.optim.HybridAdamW",
+            "--model.optimizer_kwargs", json.dumps({"eight_bit_fraction": 0.5, "min_8bit_numel": 1024}),
+            "--model.warmup_steps", "2", "--data.max_samples", "48", "--data.batch_size", "4",
+            "--data.val_fraction", "0.1", "--data.max_seq_length", "48", "--trainer.max_steps", str(STEPS),
+            "--trainer.limit_val_batches", "0", "--trainer.log_every_n_steps", "1",
+            "--trainer.enable_checkpointing", "true", "--trainer.enable_progress_bar", "false",
+            "--trainer.logger.init_args.save_dir", str(run_dir / "logs"), "--trainer.callbacks", json.dumps(callbacks)]
+    return main([*args, "--ckpt_path", "last"] if resume else args)
+
+
+def _losses(metrics_csv):
+    rows = csv.DictReader(open(metrics_csv))
+    return {int(r["step"]): float(r["train/loss"]) for r in rows if r.get("train/loss")}
+
+
+def test_cli_resume_from_last_matches_an_unbroken_run(tmp_path):
+    assert _lazytrain(tmp_path / "ref") == 0
+    assert _lazytrain(tmp_path / "run", crash_at=3) == 1  # the run failed: exit status 1
+    crashed = tmp_path / "run" / "checkpoints"
+    assert torch.load(crashed / "last.ckpt", weights_only=True)["global_step"] == 2
+    assert _lazytrain(tmp_path / "run", resume=True) == 0
+
+    names = sorted(n for n in os.listdir(crashed) if n.endswith(".ckpt"))
+    assert names == ["epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"]  # 2 kept; last links to the newest
+    assert all(os.path.exists(crashed / f"{n}.manifest.json") for n in names[:2]), "saved by AtomicCheckpointIO"
+    ref = torch.load(tmp_path / "ref" / "checkpoints" / "last.ckpt", weights_only=True)
+    got = torch.load(crashed / "last.ckpt", weights_only=True)
+    assert got["global_step"] == ref["global_step"] == STEPS
+    assert_same_tree(got["state_dict"], ref["state_dict"], "weights")
+    assert_same_tree(got["optimizer_states"], ref["optimizer_states"], "optimizer")
+    assert_same_tree(got["lr_schedulers"], ref["lr_schedulers"], "lr_scheduler")
+
+    # the resumed process trained steps 3..6 only (logged 0-based: 2..5), with the unbroken run's losses
+    ref_losses = _losses(next((tmp_path / "ref" / "logs").rglob("metrics.csv")))
+    resumed_csv = tmp_path / "run" / "logs" / "lightning_logs" / "version_1" / "metrics.csv"
+    resumed = _losses(resumed_csv)
+    assert sorted(ref_losses) == list(range(STEPS)) and sorted(resumed) == list(range(2, STEPS))
+    assert resumed == {s: ref_losses[s] for s in range(2, STEPS)}
