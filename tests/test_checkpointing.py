@@ -18,9 +18,9 @@ from lightning_lazytrain.sft.checkpointing import CheckpointDiskError, Resumable
 STEPS = 4
 
 
-def _fit(dirpath, module=None, **callback_kw):
+def _fit(dirpath, module=None, every=2, **callback_kw):
     module = module or LMModule(tiny_model("qwen2", seed=1))
-    saver = ResumableModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, **callback_kw)
+    saver = ResumableModelCheckpoint(dirpath=dirpath, every_n_train_steps=every, **callback_kw)
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="lazytrain", precision="32-true", max_steps=STEPS,
                          logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[saver],
                          num_sanity_val_steps=0, limit_val_batches=0)
@@ -61,6 +61,19 @@ def test_too_small_disk_is_refused_at_fit_start(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpointing, "free_bytes", lambda path: need)
     _, trainer, _ = _fit(tmp_path / "ckpt", monitor="step", mode="max", save_top_k=2, save_last=True)
     assert trainer.global_step == STEPS
+
+
+def test_a_run_shorter_than_the_save_interval_needs_only_its_last_ckpt(tmp_path, monkeypatch):
+    """4 steps, a save every 250: no top-k save, so last.ckpt is a file (the link has nothing to point to); it
+    and its replacement being written are all the disk holds."""
+    need = 2 * _num_params() * 12
+    monkeypatch.setattr(checkpointing, "free_bytes", lambda path: need - 1)
+    with pytest.raises(CheckpointDiskError, match=r"2 full-state checkpoints \(1 kept, 1 being saved\)"):
+        _fit(tmp_path / "a", every=250, monitor="step", mode="max", save_top_k=2, save_last="link")
+    monkeypatch.setattr(checkpointing, "free_bytes", lambda path: need)
+    _, _, saver = _fit(tmp_path / "b", every=250, monitor="step", mode="max", save_top_k=2, save_last="link")
+    assert sorted(os.listdir(tmp_path / "b")) == ["last.ckpt", "last.ckpt.manifest.json"]
+    assert not os.path.islink(saver.last_model_path)
 
 
 def test_weights_only_is_sized_as_masters_and_loads_back(tmp_path, monkeypatch):

@@ -73,7 +73,13 @@ class ResumableModelCheckpoint(ModelCheckpoint):
             made = optimizer_state_bytes(trainer.optimizers)
             state = made / num_params if made else UNMADE_STATE_BYTES_PER_PARAM
         precision = str(trainer.precision)
-        kept = checkpoints_kept(self.save_top_k, self.save_last, self._saves(trainer))
+        saves = self._saves(trainer)
+        if saves is None:
+            kept = checkpoints_kept(self.save_top_k, self.save_last)
+        else:  # a short run keeps only the saves it makes (none: last.ckpt is a file, not a link)
+            kept = checkpoints_kept(saves if self.save_top_k == -1 else min(self.save_top_k, saves), self.save_last)
+        if not kept:
+            return
         directory = os.fspath(self.dirpath or trainer.default_root_dir)
         reclaimed = self._own_files_bytes()
         tier = checkpoint_tier(num_params, precision, state, kept, free_bytes(directory) + reclaimed)
@@ -99,13 +105,14 @@ class ResumableModelCheckpoint(ModelCheckpoint):
             f" free{freed}. Change in the {type(self).__name__} callback: {'; or '.join(fixes)}."
         )
 
-    def _saves(self, trainer: pl.Trainer) -> int:
-        """How many top-k saves the run makes (what ``save_top_k=-1`` keeps); 1 when that is not known."""
+    def _saves(self, trainer: pl.Trainer) -> int | None:
+        """How many top-k saves the run makes, when that is known."""
         if self._every_n_train_steps:
             total = trainer.estimated_stepping_batches
-            return int(total // self._every_n_train_steps) if math.isfinite(total) else 1
-        max_epochs = trainer.max_epochs if trainer.max_epochs is not None else -1
-        return max(1, max_epochs // max(1, self._every_n_epochs))
+            return int(total // self._every_n_train_steps) if math.isfinite(total) else None
+        if self._every_n_epochs and trainer.max_epochs is not None and trainer.max_epochs >= 0:
+            return trainer.max_epochs // self._every_n_epochs
+        return None
 
     def _own_files_bytes(self) -> int:
         """Bytes of the checkpoint files this callback manages now (restored from a resumed run's state)."""
