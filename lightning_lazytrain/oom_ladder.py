@@ -93,11 +93,11 @@ class OomLadder:
 
 def milp_resolver(settings, executor: StreamingExecutor, shape: tuple[int, int]) -> Callable[[float], StackPlan]:
     """``resolve(fraction)``: the MILP solved again for ``shape`` with ``fraction`` of the current GPU budget."""
-    from lightning_lazytrain.planner import GIB, budgets, plan_of, solve_plan
+    from lightning_lazytrain.planner import GIB, budgets, solve_plan
 
     def resolve(fraction: float) -> StackPlan:
         gpu = budgets(settings, executor)[0] * fraction
         settings.gpu_activation_gib = gpu / GIB  # later rungs and re-plans keep the smaller budget
-        return plan_of(solve_plan(settings, executor, *shape))
+        return solve_plan(settings, executor, *shape).stack_plan()
 
     return resolve

@@ -65,12 +65,8 @@ def initial_plan(settings: PlanSettings, num_layers: int) -> StackPlan:
         if schedule.num_layers != num_layers:
             raise ValueError(f"the plan in {settings.schedule} is for {schedule.num_layers} layers, the model has"
                              f" {num_layers}")
-        return plan_of(schedule)
+        return schedule.stack_plan()
     return StackPlan.every(num_layers, 1, 0)
-
-
-def plan_of(schedule: Schedule) -> StackPlan:
-    return StackPlan(tuple(schedule.tiers), tuple(schedule.keep_graph))
 
 
 def solve_plan(settings: PlanSettings, executor: StreamingExecutor, batch: int, seq: int,

@@ -10,26 +10,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-BOUNDARY_HOMES = ("gpu", "cpu", "nvme")
+#: Where a boundary lives between its forward and its backward: kept on the GPU, offloaded to pinned host memory,
+#: spilled through it to a file, or dropped and rebuilt by re-running the layers before it. The one vocabulary of
+#: plans: ``schedule.Schedule.tiers`` uses these names too.
+HOMES = ("gpu", "cpu", "nvme", "recompute")
 
 
 @dataclass(frozen=True)
 class StackPlan:
+    """The invariants every plan keeps (``Schedule`` checks its own on top: ends on the GPU, the recompute span)."""
+
     homes: tuple[str, ...]
     keep_graph: tuple[bool, ...]
 
     def __post_init__(self) -> None:
         n = len(self.keep_graph)
         if len(self.homes) != n + 1:
-            raise ValueError(f"a plan for {n} layers needs {n + 1} boundary homes, got {len(self.homes)}")
-        bad = [h for h in self.homes if h not in BOUNDARY_HOMES + ("recompute",)]
+            raise ValueError(f"keep_graph must have one entry per layer and the homes one more (boundaries 0..L): got"
+                             f" {n} and {len(self.homes)}")
+        bad = [(i, h) for i, h in enumerate(self.homes) if h not in HOMES]
         if bad:
-            raise ValueError(f"unknown boundary homes {bad}; use gpu, cpu, nvme or recompute")
+            raise ValueError(f"unknown tier(s) {bad}; allowed: {HOMES}")
         if self.homes[0] == "recompute" or self.homes[-1] == "recompute":
             raise ValueError("boundaries 0 and L must be kept (the stack's input and output)")
-        for j, keep in enumerate(self.keep_graph):
-            if keep and (self.homes[j] == "recompute" or self.homes[j + 1] == "recompute"):
-                raise ValueError(f"layer {j} keeps its graph, so boundaries {j} and {j + 1} must be kept")
+        wrong = [j for j, keep in enumerate(self.keep_graph)
+                 if keep and (self.homes[j] == "recompute" or self.homes[j + 1] == "recompute")]
+        if wrong:
+            raise ValueError(f"keep_graph layers {wrong} must be single-layer blocks (boundaries j and j+1 saved)")
 
     @property
     def num_layers(self) -> int:

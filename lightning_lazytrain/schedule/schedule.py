@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-TIERS = ("gpu", "cpu", "nvme", "recompute")
+from lightning_lazytrain.engine.plan import HOMES, StackPlan
+
+TIERS = HOMES  # the engine's names for where a boundary lives; one vocabulary for plans and the engine
 _VERSION = 1
 
 
@@ -57,27 +59,22 @@ class Schedule:
         n = len(self.tiers) - 1
         if n < 1:
             raise ValueError(f"Schedule.tiers needs L+1 >= 2 entries, got {len(self.tiers)}")
-        bad = [(i, t) for i, t in enumerate(self.tiers) if t not in TIERS]
-        if bad:
-            raise ValueError(f"Schedule.tiers has unknown tier(s) {bad}; allowed: {TIERS}")
         if self.tiers[0] != "gpu" or self.tiers[-1] != "gpu":
             raise ValueError(f"Schedule boundaries 0 and L must be 'gpu', got {self.tiers[0]!r} / {self.tiers[-1]!r}")
         if self.keep_graph is None:
             self.keep_graph = [False] * n
         self.keep_graph = [bool(k) for k in self.keep_graph]
-        if len(self.keep_graph) != n:
-            raise ValueError(f"Schedule.keep_graph must have L={n} entries, got {len(self.keep_graph)}")
-        blocks = self.blocks()
+        blocks = self.stack_plan().blocks()  # the invariants every plan keeps (tiers known, graphs in blocks of one)
         if self.max_recompute_span is not None:
             too_long = [b for b in blocks if b[1] - b[0] > self.max_recompute_span]
             if too_long:
                 raise ValueError(f"recompute block(s) {too_long} exceed max_recompute_span={self.max_recompute_span}")
-        singles = {s for s, e in blocks if e == s + 1}
-        wrong = [j for j, k in enumerate(self.keep_graph) if k and j not in singles]
-        if wrong:
-            raise ValueError(f"keep_graph layers {wrong} must be single-layer blocks (boundaries j and j+1 saved)")
         if self.transfers is not None:
             self.transfers = [t if isinstance(t, Transfer) else Transfer(**t) for t in self.transfers]
+
+    def stack_plan(self) -> StackPlan:
+        """What the engine runs of this plan: the boundary homes and the layers that keep their graph."""
+        return StackPlan(tuple(self.tiers), tuple(self.keep_graph))
 
     @property
     def num_layers(self) -> int:
@@ -93,8 +90,7 @@ class Schedule:
         Backward of block (s, e): load boundary s, re-run layers s..e-2 forward (no grad) to rebuild boundaries
         s+1..e-1, then run each layer e-1 down to s forward-with-grad + backward in reverse.
         """
-        m = self.materialized()
-        return list(zip(m[:-1], m[1:], strict=True))
+        return self.stack_plan().blocks()
 
     def counts(self) -> dict[str, int]:
         """Boundaries per tier over all of 0..L."""
@@ -137,8 +133,7 @@ def interval_schedule(num_layers: int, k: int) -> Schedule:
     """The MegaTrain policy: boundaries 0, k, 2k, ..., and L on the GPU, everything else recomputed."""
     if num_layers < 1 or k < 1:
         raise ValueError(f"interval_schedule needs num_layers >= 1 and k >= 1, got {num_layers}, {k}")
-    tiers = ["gpu" if i % k == 0 or i == num_layers else "recompute" for i in range(num_layers + 1)]
-    return Schedule(tiers=tiers, status=f"interval:{k}", max_recompute_span=k)
+    return Schedule(tiers=list(StackPlan.every(num_layers, k).homes), status=f"interval:{k}", max_recompute_span=k)
 
 
 def all_gpu_schedule(num_layers: int) -> Schedule:
