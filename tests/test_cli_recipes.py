@@ -73,6 +73,15 @@ def test_a_recipe_override_reaches_its_checkpoint_callback(capsys):
     assert callbacks[-1]["init_args"]["save_weights_only"] is True
 
 
+def test_tensorboard_is_one_override_of_a_recipes_logger(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", "qwen2.5-7b", "--trainer.logger", "lightning.pytorch.loggers.TensorBoardLogger",
+              "--print_config"])
+    logger = yaml.safe_load(capsys.readouterr().out)["trainer"]["logger"]
+    assert logger["class_path"] == "lightning.pytorch.loggers.TensorBoardLogger"
+    assert logger["init_args"]["save_dir"] == "runs/qwen2.5-7b"
+
+
 def test_missing_config_means_demo():
     assert _with_default_config(["fit"]) == ["fit", "--config", str(DEMO_RECIPE)]
     assert _with_default_config(["fit", "--config", "x.yaml"]) == ["fit", "--config", "x.yaml"]

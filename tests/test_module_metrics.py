@@ -4,17 +4,22 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_lazytrain.sft.metrics import ThroughputMetrics, host_rss_bytes, model_flops_per_token
+from lightning_lazytrain.sft.metrics import (
+    ThroughputMetrics,
+    host_rss_bytes,
+    model_flops_per_token,
+    model_flops_utilization,
+)
 from lightning_lazytrain.sft.module import build_model
 
 TINY = dict(model_type="qwen2", vocab_size=128, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
 
 
-def _setup(strategy):
+def _setup(strategy, device="cpu", **metrics_kw):
     model = build_model(model_config=TINY)
-    module = SimpleNamespace(model=model, device=torch.device("cpu"))
-    cb = ThroughputMetrics()
+    module = SimpleNamespace(model=model, device=torch.device(device))
+    cb = ThroughputMetrics(**metrics_kw)
     trainer = SimpleNamespace(strategy=strategy)
     cb.on_fit_start(trainer, module)
     return cb, trainer, module, sum(p.numel() for p in model.parameters())
@@ -51,3 +56,40 @@ def test_helpers():
     block.write(b"\1" * (64 * 2**20))
     assert host_rss_bytes() > before + 32 * 2**20
     block.close()
+
+
+def test_mfu_is_model_tflops_over_the_gpus_bf16_peak(monkeypatch):
+    assert model_flops_utilization(494.5, 989.0) == 0.5  # half an H200's dense bf16 peak
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    cb, trainer, module, n = _setup(SimpleNamespace(), device="cuda:0")
+    batch = {"input_ids": torch.zeros(4, 32, dtype=torch.long)}
+    m = cb.step_metrics(trainer, module, batch, step_s=0.5)
+    tflops = (6 * n + 12 * 3 * 16 * 32) * 4 * 32 / 0.5 / 1e12
+    assert m["perf/model_tflops"] == pytest.approx(tflops)
+    assert m["perf/mfu"] == pytest.approx(tflops / 989.0)
+    a100, *_ = _setup(SimpleNamespace(), device="cuda:0", peak_tflops=312.0)  # a given peak wins over the table
+    assert a100.step_metrics(trainer, module, batch, step_s=0.5)["perf/mfu"] == pytest.approx(tflops / 312.0)
+
+
+def test_no_mfu_on_the_cpu_or_an_unknown_gpu(monkeypatch):
+    cpu, trainer, module, _ = _setup(SimpleNamespace())
+    batch = {"input_ids": torch.zeros(2, 8, dtype=torch.long)}
+    assert "perf/mfu" not in cpu.step_metrics(trainer, module, batch, step_s=1.0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
+    unknown, trainer, module, _ = _setup(SimpleNamespace(), device="cuda:0")
+    assert "perf/mfu" not in unknown.step_metrics(trainer, module, batch, step_s=1.0)
+
+
+def test_throughput_and_mfu_go_to_the_progress_bar():
+    logged = []
+    module = SimpleNamespace(model=build_model(model_config=TINY), device=torch.device("cpu"),
+                             log_dict=lambda metrics, **kw: logged.append((set(metrics), kw.get("prog_bar", False))))
+    cb = ThroughputMetrics(peak_tflops=100.0)
+    trainer = SimpleNamespace(strategy=SimpleNamespace())
+    cb.on_fit_start(trainer, module)
+    batch = {"input_ids": torch.zeros(2, 8, dtype=torch.long)}
+    cb.on_train_batch_start(trainer, module, batch, 0)
+    cb.on_train_batch_end(trainer, module, None, batch, 0)
+    shown = set().union(*(keys for keys, bar in logged if bar))
+    assert shown == {"perf/tokens_per_s", "perf/model_tflops", "perf/mfu"}
+    assert "perf/step_s" in set().union(*(keys for keys, bar in logged if not bar))

@@ -9,6 +9,8 @@ Conventions (so numbers compare with REFERENCE.md and the papers):
   This is the "model FLOPs" convention: recomputation is not counted.
 * ``perf/executed_tflops``: model TFLOPS times the strategy's ``executed_flops_factor`` (e.g. > 1 when it re-runs
   forwards for recomputation); equal to model TFLOPS when the strategy does not expose one.
+* ``perf/mfu``: model TFLOPS / the GPU's dense bf16 peak (`lightning_lazytrain.schedule.gpus`, found by the CUDA
+  device name, or ``peak_tflops``); not logged on the CPU or on a GPU the table does not know.
 * ``perf/step_s``: wall time between consecutive step ends (includes data loading and the optimizer); the first
   step is timed from its own start. No device synchronisation is forced: the loss readback already waits.
 * ``mem/gpu_peak_gib`` (CUDA only, peak since the previous step), ``mem/host_rss_gib``.
@@ -17,12 +19,19 @@ Conventions (so numbers compare with REFERENCE.md and the papers):
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+
+from lightning_lazytrain.schedule.gpus import spec_for_device
+
+log = logging.getLogger(__name__)
+#: shown in the progress bar as well as sent to the loggers
+PROGRESS_BAR_KEYS = ("perf/tokens_per_s", "perf/model_tflops", "perf/mfu")
 
 
 def host_rss_bytes() -> int:
@@ -47,19 +56,36 @@ def model_flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len
     return 6.0 * num_params + 12.0 * num_layers * hidden * seq_len
 
 
+def model_flops_utilization(model_tflops: float, peak_tflops: float) -> float:
+    """MFU: the share of the GPU's peak that the model's own FLOPs (recomputation not counted) reach."""
+    return model_tflops / peak_tflops
+
+
+def peak_tflops_of(device: torch.device) -> float | None:
+    """The dense bf16 peak of a CUDA device from the published table, or None (CPU, or a GPU not in the table)."""
+    if device.type != "cuda":
+        return None
+    spec = spec_for_device(torch.cuda.get_device_name(device))
+    return spec.bf16_tflops if spec is not None else None
+
+
 def _find_hf_model(pl_module: pl.LightningModule) -> torch.nn.Module:
     return getattr(pl_module, "model", pl_module)
 
 
 class ThroughputMetrics(pl.Callback):
-    """Logs tokens/s, model and executed TFLOPS, GPU peak memory, host RSS and the engine's step stats per step.
+    """Logs tokens/s, model and executed TFLOPS, MFU, GPU peak memory, host RSS and the engine's step stats per
+    step; tokens/s, model TFLOPS and MFU in the progress bar too.
 
     Args:
         log_every_n_steps: log one step in this many (metrics are cheap; the logger may not be).
+        peak_tflops: the GPU's bf16 peak for MFU, for a GPU the table does not know (default: from the table).
     """
 
-    def __init__(self, log_every_n_steps: int = 1) -> None:
+    def __init__(self, log_every_n_steps: int = 1, peak_tflops: float | None = None) -> None:
         self.every = max(1, log_every_n_steps)
+        self.peak_tflops = peak_tflops
+        self._peak: float | None = None
         self._start: float | None = None
         self._last_end: float | None = None
         self._num_params = 0
@@ -75,6 +101,10 @@ class ThroughputMetrics(pl.Callback):
         self._layers = int(getattr(text, "num_hidden_layers", 0) or 0)
         self._hidden = int(getattr(text, "hidden_size", 0) or 0)
         self._last_end = None
+        self._peak = self.peak_tflops or peak_tflops_of(pl_module.device)
+        if self._peak is None and pl_module.device.type == "cuda":
+            log.info("perf/mfu is not logged: %s is not in the GPU table (lightning_lazytrain.schedule.gpus); give"
+                     " ThroughputMetrics(peak_tflops=...)", torch.cuda.get_device_name(pl_module.device))
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -91,7 +121,10 @@ class ThroughputMetrics(pl.Callback):
             return
         step_s = max(now - begin, 1e-9)
         metrics = self.step_metrics(trainer, pl_module, batch, step_s)
-        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+        shown = {k: v for k, v in metrics.items() if k in PROGRESS_BAR_KEYS}
+        rest = {k: v for k, v in metrics.items() if k not in PROGRESS_BAR_KEYS}
+        pl_module.log_dict(shown, on_step=True, on_epoch=False, batch_size=1, prog_bar=True)
+        pl_module.log_dict(rest, on_step=True, on_epoch=False, batch_size=1)
 
     def step_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                      step_s: float) -> dict[str, float]:
@@ -111,6 +144,8 @@ class ThroughputMetrics(pl.Callback):
             "perf/executed_tflops": model_tflops * float(factor if factor is not None else 1.0),
             "mem/host_rss_gib": host_rss_bytes() / 2**30,
         }
+        if self._peak:
+            out["perf/mfu"] = model_flops_utilization(model_tflops, self._peak)
         if torch.cuda.is_available() and pl_module.device.type == "cuda":
             out["mem/gpu_peak_gib"] = torch.cuda.max_memory_allocated(pl_module.device) / 2**30
         stats = getattr(trainer.strategy, "last_step_stats", None)
