@@ -120,3 +120,35 @@ def test_metric_names_make_no_folders(tmp_path):
     assert bare.format_checkpoint_name(dict(metrics)) == str(tmp_path / "1.235.ckpt")
     last = ours.format_checkpoint_name(dict(metrics), ours.CHECKPOINT_NAME_LAST)
     assert last == str(tmp_path / "last.ckpt")
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_check_sizes_hybrid_adamw_states_and_mfu_is_logged(tmp_path, monkeypatch):
+    """Streamed on CUDA: the disk check reads HybridAdamW's own state bytes (8-bit codes) at the checkpoint dir,
+    the save goes through, and perf/mfu is logged against the GPU table's peak."""
+    from lightning_lazytrain.optim import HybridAdamW
+    from lightning_lazytrain.sft.metrics import ThroughputMetrics
+
+    class Hybrid(LMModule):
+        def configure_optimizers(self):
+            return HybridAdamW(self.parameters(), lr=1e-3, eight_bit_fraction=1.0, min_8bit_numel=1024)
+
+    seen = {}
+
+    def record(path):
+        seen["path"] = path
+        return 1 << 50
+
+    monkeypatch.setattr(checkpointing, "free_bytes", record)
+    module = Hybrid(tiny_model("qwen2", seed=1))
+    saver = ResumableModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_last="link")
+    trainer = pl.Trainer(accelerator="gpu", devices=1, strategy="lazytrain", precision="bf16-mixed", max_steps=2,
+                         logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                         callbacks=[saver, ThroughputMetrics()])
+    trainer.fit(module, loader(batches(2)))
+    assert seen["path"] == str(tmp_path)
+    state = checkpointing.optimizer_state_bytes(trainer.optimizers)
+    assert 0 < state < 3 * _num_params(), "8-bit moments: about 2 B/param, not AdamW's 8"
+    assert "perf/mfu" in trainer.callback_metrics
+    ckpt = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == 2 and "optimizer_states" in ckpt
