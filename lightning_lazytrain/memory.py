@@ -57,9 +57,7 @@ def admission(executor: StreamingExecutor, optimizer: torch.optim.Optimizer | No
             held += unit.master.numel() * unit.master.element_size()
         if shared is None and unit.stream.data_ptr() != unit.master.data_ptr():
             held += unit.stream.numel() * unit.stream.element_size()
-        for buf in (unit.grad, unit.param_grad):
-            held += buf.numel() * buf.element_size() if buf is not None else 0
-    held += executor.sink.held_bytes()
+    held += executor.sink.held_bytes()  # gradient buffers already allocated
     if shared is not None:
         held = held * ranks_per_host + shared.numel() * shared.element_size()
     gpu_kw = {}

@@ -1,4 +1,4 @@
-"""Gradients from the device into the fp32 host accumulators, off the compute stream and off the main thread.
+"""Gradients from the device into the fp32 host accumulators (``accumulate.py``), off the compute stream and thread.
 
 On CUDA each layer's gradients are packed into a few pinned staging buffers by copies on the D2H stream (after an
 event that marks the layer's backward), and one worker thread waits for each copy and adds it into the unit's
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_lazytrain.engine.device import DeviceQueues, host_wait
+from lightning_lazytrain.engine.grads.accumulate import HostAccumulators
 from lightning_lazytrain.engine.weights.store import HostParamStore, ParamUnit
 
 
@@ -39,6 +40,7 @@ class GradSink:
         self.store = store
         self.queues = queues
         self.timeout_s = timeout_s
+        self.sums = HostAccumulators(store.units, store.master_dtype)
         self._covered: dict[int, list[tuple[int, int]]] = {}
         self._units: dict[int, ParamUnit] = {}
         self._futures: list[Future] = []
@@ -53,14 +55,14 @@ class GradSink:
     def submit(self, unit: ParamUnit, grads: list[torch.Tensor | None]) -> None:
         """Hand over one backward's gradients of ``unit`` (aligned with ``unit.unique``; None = no gradient)."""
         if unit.index not in self._covered:
-            self.store.begin_grads(unit)
+            self.sums.begin(unit)
             self._covered[unit.index] = []
             self._units[unit.index] = unit
         covered = self._covered[unit.index]
         if not self.queues.is_cuda:
             for entry, grad in zip(unit.unique, grads):
                 if grad is not None:
-                    self.store.accumulate(unit, entry.offset, grad.reshape(-1))
+                    self.sums.add(unit, entry.offset, grad.reshape(-1))
                     covered.append((entry.offset, entry.offset + entry.numel))
             return
         ready = self.queues.record()
@@ -111,7 +113,7 @@ class GradSink:
         host_wait(event, "a gradient copy to the host", self.timeout_s)
         batch.keep_alive.clear()
         for unit, dst, src, n in batch.segments:
-            self.store.accumulate(unit, dst, batch.staging[src : src + n])
+            self.sums.add(unit, dst, batch.staging[src : src + n])
         self._free.put(batch.staging)
 
     def flush(self) -> None:
@@ -121,13 +123,13 @@ class GradSink:
         for future in futures:
             future.result(timeout=self.timeout_s)
         for index, covered in self._covered.items():
-            self.store.finish_grads(self._units[index], covered)
+            self.sums.finish(self._units[index], covered)
         self._covered.clear()
         self._units.clear()
 
     def held_bytes(self) -> int:
-        """Host gradient bytes beyond the store's accumulators, for admission (its staging buffers are not counted)."""
-        return 0
+        """Host bytes of the gradient accumulators, for admission (the few staging buffers are not counted)."""
+        return self.sums.held_bytes()
 
     def discard(self) -> None:
         """Forget a failed step's gradients: let the copies in flight land, then drop every ``.grad``."""

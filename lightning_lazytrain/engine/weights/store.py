@@ -1,4 +1,4 @@
-"""Host-side home of every parameter: flat per-unit master buffers, the streamed copy, fp32 gradients.
+"""Host-side home of every parameter: flat per-unit master buffers and the streamed copy.
 
 A *unit* is what moves as one piece: one decoder layer, or the resident set (embedding, final norm, head). Each
 unit owns one flat master buffer, and the module's parameters are re-pointed to views of it, so the optimizer,
@@ -38,12 +38,8 @@ class ParamUnit:
     numel: int
     master: torch.Tensor
     stream: torch.Tensor
-    grad: torch.Tensor | None = None
-    param_grad: torch.Tensor | None = None
     generation: int = 0
     dirty: bool = False
-    overwrite: bool = False
-    touched: bool = False
     unique: list[ParamEntry] = field(default_factory=list)
     pending_update: Future | None = None
     update_wait_seconds: float = 0.0
@@ -72,7 +68,7 @@ class ParamUnit:
 
 
 class HostParamStore:
-    """Owns the flat host buffers of all units and the gradient accumulation into them."""
+    """Owns the flat host buffers of all units (gradients belong to the run's sink, ``engine/grads/``)."""
 
     def __init__(
         self,
@@ -110,44 +106,6 @@ class HostParamStore:
         """The masters changed (optimizer step, checkpoint load): streamed copies are stale until refreshed."""
         for unit in self.units:
             unit.dirty = True
-
-    def begin_grads(self, unit: ParamUnit) -> None:
-        """Called before a unit's gradients of one backward arrive: decide overwrite vs accumulate.
-
-        Lightning's ``zero_grad`` sets ``.grad`` to None; then this backward overwrites instead of adding, which
-        saves a zeroing pass over 4 bytes per parameter.
-        """
-        if unit.grad is None:
-            unit.grad = torch.empty(unit.numel, dtype=torch.float32)
-            if self.master_dtype != torch.float32:
-                unit.param_grad = torch.empty(unit.numel, dtype=self.master_dtype)
-        unit.overwrite = any(e.param.grad is None for e in unit.unique)
-        unit.touched = True
-
-    def accumulate(self, unit: ParamUnit, offset: int, values: torch.Tensor) -> None:
-        """Add (or write, on the first backward after zero_grad) one gradient segment; runs on a worker thread."""
-        target = unit.grad[offset : offset + values.numel()]
-        if unit.overwrite:
-            target.copy_(values)
-        else:
-            target.add_(values)
-
-    def finish_grads(self, unit: ParamUnit, covered: list[tuple[int, int]]) -> None:
-        """After all segments of a backward landed: zero what got no gradient, expose ``.grad`` views."""
-        if unit.overwrite:
-            holes = _uncovered(unit.numel, covered)
-            for start, stop in holes:
-                unit.grad[start:stop].zero_()
-        grad = unit.grad
-        if unit.param_grad is not None:
-            unit.param_grad.copy_(grad)
-            grad = unit.param_grad
-        for entry in unit.unique:
-            view = grad[entry.offset : entry.offset + entry.numel].view(entry.shape)
-            if entry.param.grad is None or entry.param.grad.data_ptr() != view.data_ptr():
-                entry.param.grad = view
-        unit.overwrite = False
-        unit.touched = False
 
     def checkpoint_state(self) -> dict[str, torch.Tensor] | None:
         """The model state a checkpoint saves when it is not the module's ``state_dict`` (None: it is)."""
@@ -187,13 +145,3 @@ def collect_entries(modules: list[nn.Module]) -> tuple[list[ParamEntry], list[Pa
                 entries.append(ParamEntry(module, name, param, first.offset, first.numel, first.shape, first.uid))
     return entries, unique, total
 
-
-def _uncovered(total: int, covered: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    holes, cursor = [], 0
-    for start, stop in sorted(covered):
-        if start > cursor:
-            holes.append((cursor, start))
-        cursor = max(cursor, stop)
-    if cursor < total:
-        holes.append((cursor, total))
-    return holes
