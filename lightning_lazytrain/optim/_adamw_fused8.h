@@ -51,8 +51,10 @@ static inline __attribute__((always_inline)) void v_update16(const lt_args *a, i
                                        : _mm512_loadu_ps((const float *)a->grad + i),
                                    _mm512_set1_ps(a->grad_scale));
     const __m512 mi = _mm512_fmadd_ps(_mm512_set1_ps(a->w1), _mm512_sub_ps(g, *m), *m);
-    const __m512 vi = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(a->w2), g), g,
+    const __m512 vr = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(a->w2), g), g,
                                       _mm512_mul_ps(*v, _mm512_set1_ps(a->beta2)));
+    /* max_ps(f, vr) = f > vr ? f : vr, LT_UPDATE_LOOP's floor (v_floor 0: vr, which is never negative) */
+    const __m512 vi = _mm512_max_ps(_mm512_mul_ps(_mm512_mul_ps(mi, mi), _mm512_set1_ps(a->v_floor)), vr);
     const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), _mm512_set1_ps(a->bc2_sqrt)),
                                        _mm512_set1_ps(a->eps));
     const __m512 p = p16 ? v_load_bf16(a->p16 + i) : _mm512_loadu_ps(a->p32 + i);

@@ -35,6 +35,7 @@ typedef struct {
     float neg_step;      /* -lr / (1 - beta1^t) */
     float bc2_sqrt, eps, grad_scale;
     uint32_t sr_key;
+    float v_floor;       /* 8-bit states: v >= v_floor * m^2 (reference.v_floor_coef); unused for fp32 states */
 } lt_args;
 
 static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
@@ -64,12 +65,16 @@ static inline uint16_t bf16_stochastic(float f, uint32_t key, int64_t i) {
 
 /* The update proper, reading the big arrays in place: streaming all of them side by side keeps the hardware
  * prefetchers on (copying each into scratch first made this pass memory-latency bound, ~3x slower).
- * m, v point at the fp32 states, or at the block's scratch holding decoded 8-bit states. */
+ * m, v point at the fp32 states, or at the block's scratch holding decoded 8-bit states. 8-bit v is raised to
+ * v_floor * m^2 where quantization put it below (v decodes to 0 far below the block's absmax, m does not):
+ * compare-and-select, so a NaN v stays NaN, as in the reference's torch.where and AVX-512's max_ps. */
 #define LT_UPDATE_LOOP(LOAD_G, LOAD_P, STORE_P)                                \
     for (int64_t i = 0; i < len; i++) {                                       \
         const float gi = (LOAD_G) * sc;                                       \
         const float mi = fmaf(w1, gi - m[i], m[i]);                           \
-        const float vi = fmaf(w2 * gi, gi, v[i] * b2); /* = torch addcmul */  \
+        const float vr = fmaf(w2 * gi, gi, v[i] * b2); /* = torch addcmul */  \
+        const float vf = mi * mi * vfl;                                       \
+        const float vi = floor8 && vf > vr ? vf : vr;                         \
         const float denom = sqrtf(vi) / bc2 + eps;                            \
         const float pi = (LOAD_P) * decay;                                    \
         const float pn = pi + ns * mi / denom;                                \
@@ -78,9 +83,12 @@ static inline uint16_t bf16_stochastic(float f, uint32_t key, int64_t i) {
         v[i] = vi;                                                            \
     }
 
-/* One range of the update; m, v: fp32 states, or decoded 8-bit states in scratch (updated in place). */
-static void update_range(const lt_args *a, int64_t s, int64_t len, float *restrict m, float *restrict v) {
-    const float decay = a->decay, w1 = a->w1, b2 = a->beta2, w2 = a->w2;
+/* One range of the update; m, v: fp32 states, or decoded 8-bit states in scratch (updated in place).
+ * floor8 is a constant after inlining: the fp32-state loops stay torch's operations, nothing more. */
+static inline __attribute__((always_inline)) void update_range_t(const lt_args *a, int64_t s, int64_t len,
+                                                                 float *restrict m, float *restrict v,
+                                                                 const int floor8) {
+    const float decay = a->decay, w1 = a->w1, b2 = a->beta2, w2 = a->w2, vfl = a->v_floor;
     const float ns = a->neg_step, bc2 = a->bc2_sqrt, eps = a->eps, sc = a->grad_scale;
     const float *restrict g32 = (const float *)a->grad + s;
     const uint16_t *restrict g16 = (const uint16_t *)a->grad + s;
@@ -107,6 +115,13 @@ static void update_range(const lt_args *a, int64_t s, int64_t len, float *restri
         }
         if (cp) memcpy(cp, p, (size_t)len * 2);
     }
+}
+
+static void update_range(const lt_args *a, int64_t s, int64_t len, float *restrict m, float *restrict v) {
+    if (a->mq)
+        update_range_t(a, s, len, m, v, 1);
+    else
+        update_range_t(a, s, len, m, v, 0);
 }
 
 /* One block in passes: decode 8-bit moments into scratch, update, absmax and re-encode (fp32 states: update). */

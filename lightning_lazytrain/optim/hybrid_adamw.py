@@ -17,7 +17,7 @@ import torch
 from torch.optim import Optimizer
 
 from . import kernel as _kernel
-from .reference import mix32, reference_step
+from .reference import mix32, reference_step, v_floor_coef
 from .state_layout import STATE_TENSORS, choose_8bit, defer_state_allocation, init_state
 
 __all__ = ["HybridAdamW", "defer_state_allocation"]
@@ -185,10 +185,12 @@ class HybridAdamW(Optimizer):
         bias_correction1 = 1 - beta1**step
         bias_correction2 = 1 - beta2**step
         sr_key = int(mix32(st["sr_key"] ^ int(mix32(step & 0xFFFFFFFF))))
-        block = st["block_size"] if "exp_avg_codes" in st else _FP32_CHUNK
+        eight_bit = "exp_avg_codes" in st
+        block = st["block_size"] if eight_bit else _FP32_CHUNK
         return st, dict(copy=self._stream_copies.get(p), block=block, decay=1 - lr * wd, beta1=beta1, beta2=beta2,
                         neg_step=-(lr / bias_correction1), bc2_sqrt=bias_correction2**0.5, eps=eps,
-                        grad_scale=clip_coef, sr_key=sr_key)
+                        grad_scale=clip_coef, sr_key=sr_key,
+                        v_floor=v_floor_coef(beta1, beta2, step) if eight_bit else 0.0)
 
     def _update_one(self, p: torch.Tensor, g: torch.Tensor, clip_coef: float, lr_of: dict[int, float] | None) -> None:
         st, scalars = self._prepare(p, g, clip_coef, lr_of)

@@ -76,6 +76,7 @@ class LtArgs(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("grad_scale", ctypes.c_float),
         ("sr_key", ctypes.c_uint32),
+        ("v_floor", ctypes.c_float),
     ]
 
 
@@ -216,6 +217,7 @@ def run_step(
     grad_scale: float,
     sr_key: int,
     nthreads: int,
+    v_floor: float = 0.0,
 ) -> None:
     """One fused update of a contiguous CPU tensor (all inputs already validated by the optimizer)."""
     lib = load_kernel()
@@ -243,6 +245,7 @@ def run_step(
         eps=eps,
         grad_scale=grad_scale,
         sr_key=sr_key & 0xFFFFFFFF,
+        v_floor=v_floor,
     )
     if lib.lt_adamw_step(ctypes.byref(args)) != 0:
         raise MemoryError("fused AdamW kernel: could not allocate per-thread scratch")

@@ -10,7 +10,7 @@ import torch
 
 from .quant import dynamic_map, encode_normalized
 
-__all__ = ["mix32", "stochastic_round_bf16", "reference_step"]
+__all__ = ["mix32", "stochastic_round_bf16", "v_floor_coef", "reference_step"]
 
 _M32 = 0xFFFFFFFF
 
@@ -42,6 +42,26 @@ def stochastic_round_bf16(x: torch.Tensor, key: int) -> torch.Tensor:
     return out.view(x.shape)
 
 
+def v_floor_coef(beta1: float, beta2: float, step: int) -> float:
+    """c with v >= c * m^2 for every element after ``step`` exact Adam steps, whatever the gradients were.
+
+    m = (1-b1) sum_j b1^j g_j and v = (1-b2) sum_j b2^j g_j^2 (j < step), so by Cauchy-Schwarz
+    m^2 <= (1-b1)^2 S v / (1-b2) with S = sum_j (b1^2/b2)^j. 8-bit v decodes to 0 below 1.6e-7 of its block's
+    absmax (gradients under 4e-4 of the block's largest) while m still has codes there (down to 2.8e-7 of its
+    absmax), so without this floor such an element moves by lr * m / eps. With it |update| stays below
+    lr * sqrt(1-b2^t) / ((1-b1^t) sqrt(c)), Adam's own bound (7.3 lr for 0.9/0.999, 1.8 lr at step 60).
+    Shrunk by 1% so fp32 rounding of states that satisfy the bound never triggers it. 0: no bound (beta2 = 0).
+    """
+    if beta2 <= 0.0:
+        return 0.0
+    r = beta1 * beta1 / beta2
+    try:
+        s = float(step) if r == 1.0 else (1.0 - r**step) / (1.0 - r)
+    except OverflowError:  # r > 1 (beta1^2 > beta2) over many steps: the bound goes to 0
+        return 0.0
+    return 0.99 * (1.0 - beta2) / ((1.0 - beta1) ** 2 * s)
+
+
 def _blocks(t: torch.Tensor, block: int) -> torch.Tensor:
     pad = (-t.numel()) % block
     flat = t.reshape(-1)
@@ -66,8 +86,12 @@ def reference_step(
     eps: float,
     grad_scale: float,
     sr_key: int,
+    v_floor: float = 0.0,
 ) -> None:
-    """Update ``param`` and ``state`` in place (fp32 states ``exp_avg``/``exp_avg_sq`` or 8-bit ``*_codes``)."""
+    """Update ``param`` and ``state`` in place (fp32 states ``exp_avg``/``exp_avg_sq`` or 8-bit ``*_codes``).
+
+    ``v_floor``: 8-bit states only, v is raised to at least ``v_floor * m^2`` (:func:`v_floor_coef`).
+    """
     n = param.numel()
     g = grad.reshape(-1).float()
     if grad_scale != 1.0:
@@ -84,6 +108,9 @@ def reference_step(
     # Operation order as torch.optim.AdamW (single tensor): lerp, mul+addcmul, sqrt/bc2+eps, decay, addcdiv.
     m_new = torch.lerp(m, g, 1.0 - beta1)
     v_new = torch.addcmul(v * beta2, g, g, value=1.0 - beta2)
+    if eight_bit and v_floor > 0.0:
+        floor = m_new * m_new * v_floor
+        v_new = torch.where(floor > v_new, floor, v_new)  # the kernel's compare: a NaN v stays NaN
     denom = v_new.sqrt() / bc2_sqrt + eps
     p_new = torch.addcdiv(p * decay, m_new, denom, value=neg_step)
     if param.dtype == torch.float32:
