@@ -30,8 +30,9 @@ def _train(grads: list[torch.Tensor], use_kernel: bool | None) -> tuple[torch.Te
     if use_kernel is None:
         opt = torch.optim.AdamW([p], lr=LR, betas=BETAS, eps=1e-8, weight_decay=0.0)
     else:
-        opt = HybridAdamW([p], lr=LR, betas=BETAS, eps=1e-8, weight_decay=0.0, eight_bit_fraction=1.0,
-                          use_kernel=use_kernel)
+        opt = HybridAdamW(
+            [p], lr=LR, betas=BETAS, eps=1e-8, weight_decay=0.0, eight_bit_fraction=1.0, use_kernel=use_kernel
+        )
         assert opt.is_8bit(p)
     worst = torch.zeros(())
     for step, g in enumerate(grads, 1):

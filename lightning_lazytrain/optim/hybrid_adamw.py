@@ -165,8 +165,9 @@ class HybridAdamW(Optimizer):
                 continue
             self._update_one(p, g, clip_coef, lr_of)
 
-    def _prepare(self, p: torch.Tensor, g: torch.Tensor, clip_coef: float,
-                 lr_of: dict[int, float] | None) -> tuple[dict, dict]:
+    def _prepare(
+        self, p: torch.Tensor, g: torch.Tensor, clip_coef: float, lr_of: dict[int, float] | None
+    ) -> tuple[dict, dict]:
         """Check the pair, count the step and return (state, the update's scalars) as the kernel takes them."""
         group = self._group_of.get(p)
         if group is None:
@@ -187,10 +188,19 @@ class HybridAdamW(Optimizer):
         sr_key = int(mix32(st["sr_key"] ^ int(mix32(step & 0xFFFFFFFF))))
         eight_bit = "exp_avg_codes" in st
         block = st["block_size"] if eight_bit else _FP32_CHUNK
-        return st, dict(copy=self._stream_copies.get(p), block=block, decay=1 - lr * wd, beta1=beta1, beta2=beta2,
-                        neg_step=-(lr / bias_correction1), bc2_sqrt=bias_correction2**0.5, eps=eps,
-                        grad_scale=clip_coef, sr_key=sr_key,
-                        v_floor=v_floor_coef(beta1, beta2, step) if eight_bit else 0.0)
+        return st, dict(
+            copy=self._stream_copies.get(p),
+            block=block,
+            decay=1 - lr * wd,
+            beta1=beta1,
+            beta2=beta2,
+            neg_step=-(lr / bias_correction1),
+            bc2_sqrt=bias_correction2**0.5,
+            eps=eps,
+            grad_scale=clip_coef,
+            sr_key=sr_key,
+            v_floor=v_floor_coef(beta1, beta2, step) if eight_bit else 0.0,
+        )
 
     def _update_one(self, p: torch.Tensor, g: torch.Tensor, clip_coef: float, lr_of: dict[int, float] | None) -> None:
         st, scalars = self._prepare(p, g, clip_coef, lr_of)
@@ -235,8 +245,10 @@ class HybridAdamW(Optimizer):
                 continue
             st, scalars = self._prepare(p, g, float(clip_coef), lr_of)
             host_copy = scalars.pop("copy")
-            moved = {k: v.to(device, non_blocking=True, copy=True) if isinstance(v, torch.Tensor) else v
-                     for k, v in st.items()}
+            moved = {
+                k: v.to(device, non_blocking=True, copy=True) if isinstance(v, torch.Tensor) else v
+                for k, v in st.items()
+            }
             param = p.detach().to(device, non_blocking=True, copy=True)
             copy = None if host_copy is None else torch.empty(p.shape, dtype=torch.bfloat16, device=device)
             reference_step(param=param, grad=g, state=moved, copy=copy, **scalars)
