@@ -4,7 +4,9 @@ It follows Lightning's ``DDPStrategy``: the subprocess launcher re-runs the scri
 (or torchrun / SLURM / a user started them: Lightning's cluster environments tell), ranks come from the cluster
 environment, ``setup_environment`` opens the process group (NCCL between GPUs, gloo on the CPU) and the engine's
 host-side gloo groups (``engine/weights/topology.py``). With one process nothing of this runs: no launcher, no process
-group, and ``reduce`` / ``barrier`` / ``broadcast`` return at once, exactly as a single-device strategy.
+group, and ``reduce`` / ``barrier`` / ``broadcast`` return at once, exactly as a single-device strategy, unless
+``force_distributed`` is set: then one process runs the whole multi-process path (a process group of one rank,
+sharded store and updates, sharded checkpoints), so it can be tested and timed on a machine with one device.
 
 Everything else that differs between one process and several is answered here too, so the strategy asks without
 branching: which host store (a private one, or the machine's shared copy with sharded masters), how the optimizer
@@ -52,6 +54,7 @@ class ProcessGroupStrategy(ParallelStrategy):
 
     topology: Topology | None = None
     timeout_s: float = 1800.0
+    force_distributed: bool = False
     executor: StreamingExecutor | None = None
 
     @property
@@ -68,7 +71,7 @@ class ProcessGroupStrategy(ParallelStrategy):
 
     @property
     def distributed(self) -> bool:
-        return self.num_nodes * self.num_processes > 1
+        return self.force_distributed or self.num_nodes * self.num_processes > 1
 
     @property
     def is_distributed(self) -> bool:
@@ -120,24 +123,31 @@ class ProcessGroupStrategy(ParallelStrategy):
         self.topology = build_topology(self.global_rank, self.world_size, self.local_rank, self.node_rank,
                                        self.num_nodes, timeout)
 
+    def _collective(self, what: str) -> AbstractContextManager[None]:
+        """Lightning's collectives fail as the engine's do (``PeerLostError``) when another process is lost."""
+        return self.topology.collective(what) if self.topology is not None else contextlib.nullcontext()
+
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            with self._collective("an all-reduce for Lightning (a logged metric)"):
+                return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if not _distributed_is_initialized():
             return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
+        with self._collective("a barrier for Lightning"):
+            if torch.distributed.get_backend() == "nccl":
+                torch.distributed.barrier(device_ids=[self.root_device.index])
+            else:
+                torch.distributed.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _distributed_is_initialized():
             return obj
         box = [obj]
-        torch.distributed.broadcast_object_list(box, src)
+        with self._collective("a broadcast for Lightning"):
+            torch.distributed.broadcast_object_list(box, src)
         return box[0]
 
     @property

@@ -74,6 +74,9 @@ class LazyTrainStrategy(CheckpointingStrategy):
             again; 0 stops at the first.
         replan_every_n_steps: with ``schedule="milp"`` on CUDA, probe the link every N steps and solve the plan
             again when it drifted from the profile by more than 25% (``lightning_lazytrain/replan.py``); 0: never.
+        force_distributed: run the multi-process path even with one process (``devices=1``, one node): a process
+            group of one rank (NCCL on CUDA, gloo on the CPU), sharded store, updates and checkpoints. For testing
+            and timing that path on one device; it trains to the same weights as the default one-process path.
 
     With ``devices=N`` / ``num_nodes=M`` every process streams through its own device, and master weights,
     gradients and optimizer states are sharded across processes (``docs/engine.md``, "Several GPUs").
@@ -102,6 +105,7 @@ class LazyTrainStrategy(CheckpointingStrategy):
         generation: GenerationMode = "auto",
         oom_fallback_steps: int = 3,
         replan_every_n_steps: int = 50,
+        force_distributed: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
@@ -112,6 +116,7 @@ class LazyTrainStrategy(CheckpointingStrategy):
         self.prefetch_depth = prefetch_depth
         self.pin_memory = pin_memory
         self.timeout_s = timeout_s
+        self.force_distributed = force_distributed
         self.overlap_updates = overlap_updates
         if device_update_share is not None and not 0.0 <= device_update_share <= 1.0:
             raise ValueError(f"device_update_share must be in [0, 1] or None (automatic), got {device_update_share}")

@@ -11,12 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 
 import lightning.pytorch as pl
 import torch
 from helpers import LMModule, batches, loader, tiny_model
 
-import lightning_lazytrain  # noqa: F401  (registers the strategy name)
+from lightning_lazytrain import LazyTrainStrategy
 from lightning_lazytrain.optim import HybridAdamW
 
 
@@ -54,6 +55,20 @@ class Probe(pl.Callback):
         }
 
 
+class DieAt(pl.Callback):
+    """Rank ``rank`` leaves without a word at the start of step ``step``, as a process the OOM killer took; with
+    ``hang``, it stops (SIGSTOP) instead: alive, its sockets open, never answering."""
+
+    def __init__(self, rank: int, step: int, hang: bool) -> None:
+        self.rank, self.step, self.hang = rank, step, hang
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            if self.hang:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            os._exit(17)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -64,14 +79,22 @@ def main() -> None:
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--ckpt-dir", default=None)
     parser.add_argument("--resume", default=None)
+    parser.add_argument("--force-distributed", action="store_true")
+    parser.add_argument("--die-rank", type=int, default=None)
+    parser.add_argument("--die-step", type=int, default=1)
+    parser.add_argument("--hang", action="store_true", help="the --die-rank process stops instead of exiting")
+    parser.add_argument("--timeout-s", type=float, default=600.0)
     args = parser.parse_args()
     probe = Probe()
     callbacks: list[pl.Callback] = [probe]
     if args.ckpt_dir:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=1, save_top_k=-1))
+    if args.die_rank is not None:
+        callbacks.append(DieAt(args.die_rank, args.die_step, args.hang))
+    strategy = LazyTrainStrategy(force_distributed=args.force_distributed, timeout_s=args.timeout_s)
     module = HybridModule(tiny_model("qwen2"))
     trainer = pl.Trainer(
-        accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy="lazytrain",
+        accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
         precision=args.precision, max_steps=args.steps, gradient_clip_val=args.clip, logger=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         enable_checkpointing=bool(args.ckpt_dir), callbacks=callbacks, default_root_dir=args.out,

@@ -42,7 +42,8 @@ class ShardedGradSink(HandoffSink):
             parts.append(torch.zeros(lay.padded - lay.numel, dtype=self.dtype, device=device))
         flat = torch.cat(parts)
         shard = torch.empty(lay.shard, dtype=self.dtype, device=device) if self.queues.is_cuda else handoff.host
-        work = dist.reduce_scatter_single(shard, flat, async_op=True)
+        with self.store.topology.collective(f"the gradient reduce-scatter of {unit.label}"):
+            work = dist.reduce_scatter_single(shard, flat, async_op=True)
         if self.queues.is_cuda:
             with self.queues.on(self.queues.d2h):
                 work.wait()  # the D2H stream waits for the collective; the host does not
@@ -59,8 +60,10 @@ class ShardedGradSink(HandoffSink):
     def take_norm_sq(self) -> float:
         """The squared norm of this step's averaged gradient over all ranks (one all-reduce, one host sync)."""
         in_flight, self._in_flight = self._in_flight, []
+        topo = self.store.topology
         for unit, work in in_flight:
-            work.wait()
+            with topo.collective(f"the gradient reduce-scatter of {unit.label}"):
+                work.wait()
             self._add_norm(grad_norm_sq([self.of(unit).host]))
         total = self._take_norm()
         if total is None:
@@ -68,5 +71,6 @@ class ShardedGradSink(HandoffSink):
         if self.queues.is_cuda:
             self.queues.wait(self.queues.record(self.queues.d2h))
         total = total.to(self.queues.device)
-        dist.all_reduce(total)
+        with topo.collective("the all-reduce of the gradient norm"):
+            dist.all_reduce(total)
         return float(total) / self.world_size**2

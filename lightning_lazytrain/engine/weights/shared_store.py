@@ -137,7 +137,8 @@ class SharedParamStore(HostParamStore):
         padded = self.padded_view(unit)
         if topo.num_nodes > 1:
             gathered = torch.empty(topo.num_nodes * lay.shard, dtype=self.stream_dtype)
-            dist.all_gather_single(gathered, padded[lay.start : lay.stop], group=topo.cross_group)
+            with topo.collective(f"the all-gather of the updated shards of {unit.label} across machines"):
+                dist.all_gather_single(gathered, padded[lay.start : lay.stop], group=topo.cross_group)
             size = lay.shard
             for n, rank in enumerate(topo.cross_ranks):
                 if rank != topo.rank:

@@ -5,16 +5,27 @@ CPU). Everything that touches host memory goes over gloo groups made here: ``loc
 machine, which share one streamed copy) and ``cross_group`` (this local rank on every machine, which together
 hold the shards a machine's copy is missing). Keeping them apart from the default group also lets the update
 worker thread call them while the main thread runs the next backward's collectives.
+
+Every collective of a step runs inside ``Topology.collective``: when one fails (a rank died: gloo sees its sockets
+close at once; a rank hangs or is unreachable: the group's timeout) it raises ``PeerLostError`` naming what failed,
+and every later collective of this process raises the same error at once instead of waiting out its own timeout,
+so the updates still queued on the worker thread do not add one timeout each to the way out.
 """
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+
+
+class PeerLostError(RuntimeError):
+    """A collective failed: another process of the run stopped, hangs past the timeout, or cannot be reached."""
 
 
 @dataclass
@@ -29,6 +40,8 @@ class Topology:
     local_group: Any = None
     cross_group: Any = None
     token: str = ""
+    timeout_s: float = 1800.0
+    lost: str | None = None  # the message of the first collective that failed
 
     @property
     def cross_ranks(self) -> list[int]:
@@ -37,7 +50,27 @@ class Topology:
 
     def local_barrier(self) -> None:
         if self.local_world > 1:
-            dist.barrier(group=self.local_group)
+            with self.collective("the barrier of this machine's ranks"):
+                dist.barrier(group=self.local_group)
+
+    @contextmanager
+    def collective(self, what: str) -> Iterator[None]:
+        """Turn a failed collective into ``PeerLostError`` and stop this process's next collectives at once."""
+        if self.lost is not None:
+            raise PeerLostError(self.lost)
+        try:
+            yield
+        except PeerLostError:
+            raise
+        except RuntimeError as exc:  # gloo: "Connection reset/closed by peer", "Timed out"; NCCL: DistBackendError
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:400]
+            self.lost = (
+                f"lazytrain rank {self.rank} of {self.world_size}: {what} failed: another process of this run has"
+                f" stopped, or hangs (no answer within timeout_s={self.timeout_s:g} s), or cannot be reached"
+                f" ({first}). This process stops too. The first error is in the log of the process that stopped;"
+                " resume from the last checkpoint with the same number of processes."
+            )
+            raise PeerLostError(self.lost) from exc
 
 
 def build_topology(rank: int, world_size: int, local_rank: int, node_rank: int, num_nodes: int,
@@ -55,7 +88,7 @@ def build_topology(rank: int, world_size: int, local_rank: int, node_rank: int, 
             f"lazytrain needs ranks numbered machine by machine; got global rank {rank} for node {node_rank},"
             f" local rank {local_rank} with {local_world} processes per machine"
         )
-    topo = Topology(rank, world_size, local_rank, local_world, node_rank, num_nodes)
+    topo = Topology(rank, world_size, local_rank, local_world, node_rank, num_nodes, timeout_s=timeout.total_seconds())
     topo.host_group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo",
                                                                                            timeout=timeout)
     for n in range(num_nodes):
