@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import signal
+import time
 
 import lightning.pytorch as pl
 import torch
@@ -64,6 +65,8 @@ class DieAt(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args) -> None:
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            with open(os.path.join(trainer.default_root_dir, "died_at"), "w") as f:
+                f.write(repr(time.time()))
             if self.hang:
                 os.kill(os.getpid(), signal.SIGSTOP)
             os._exit(17)
@@ -72,6 +75,7 @@ class DieAt(pl.Callback):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
@@ -94,7 +98,7 @@ def main() -> None:
     strategy = LazyTrainStrategy(force_distributed=args.force_distributed, timeout_s=args.timeout_s)
     module = HybridModule(tiny_model("qwen2"))
     trainer = pl.Trainer(
-        accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
+        accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
         precision=args.precision, max_steps=args.steps, gradient_clip_val=args.clip, logger=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         enable_checkpointing=bool(args.ckpt_dir), callbacks=callbacks, default_root_dir=args.out,

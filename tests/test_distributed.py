@@ -11,68 +11,21 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from dist_driver import HybridModule
+from dist_launch import launch, launch_two_machines
 from helpers import batches, loader, rel_diff, tiny_model, train, update_rel_diff
 from transformers import AutoModelForCausalLM
 
 from lightning_lazytrain.checkpoint.sharded import consolidate, export_sharded_hf
 from lightning_lazytrain.schedule import admission_report
 
-TESTS = Path(__file__).resolve().parent
 CLIP = 0.05
 STEPS = 3
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env.update(PYTHONPATH=f"{TESTS.parent}{os.pathsep}{TESTS}", OMP_NUM_THREADS="1", **extra)
-    return env
-
-
-def _check(proc: subprocess.Popen, log: Path) -> None:
-    try:
-        rc = proc.wait(timeout=240)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
-    assert rc == 0, log.read_text()[-4000:]
-
-
-def _launch(out: Path, *args: str) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    log = out / "log.txt"
-    with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, str(TESTS / "dist_driver.py"), "--out", str(out), *args],
-                                env=_env(), stdout=f, stderr=subprocess.STDOUT)
-        _check(proc, log)
-    return out
-
-
-def _launch_two_machines(out: Path, *args: str) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    procs = []
-    for node in (0, 1):
-        log = out / f"log{node}.txt"
-        with open(log, "w") as f:
-            env = _env(LOCAL_RANK="0", NODE_RANK=str(node), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-            cmd = [sys.executable, str(TESTS / "dist_driver.py"), "--out", str(out), "--devices", "1",
-                   "--num-nodes", "2", *args]
-            procs.append((subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT), log))
-    for proc, log in procs:
-        _check(proc, log)
-    return out
 
 
 def _weights(run: Path, start: torch.nn.Module) -> torch.nn.Module:
@@ -106,7 +59,7 @@ def reference(start):
 @pytest.fixture(scope="module")
 def two_procs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("two_procs")
-    return _launch(out, "--clip", str(CLIP), "--steps", str(STEPS), "--ckpt-dir", str(out / "ckpt"))
+    return launch(out, "--clip", str(CLIP), "--steps", str(STEPS), "--ckpt-dir", str(out / "ckpt"))
 
 
 def test_two_processes_match_one_process(start, reference, two_procs):
@@ -128,7 +81,7 @@ def test_two_processes_match_one_process(start, reference, two_procs):
 
 
 def test_two_machines_match_two_processes_on_one(start, reference, two_procs, tmp_path):
-    run = _launch_two_machines(tmp_path, "--clip", str(CLIP), "--steps", str(STEPS))
+    run = launch_two_machines(tmp_path, "--clip", str(CLIP), "--steps", str(STEPS))
     got = _weights(run, start)
     assert rel_diff(got, reference.model) <= 1e-5
     assert rel_diff(got, _weights(two_procs, start)) == 0.0
@@ -165,7 +118,7 @@ def test_streamed_copy_is_one_shared_mapping_per_host(start, two_procs):
 def test_resume_from_sharded_checkpoint_equals_unbroken_run(start, two_procs, tmp_path):
     ckpt = two_procs / "ckpt" / "epoch=0-step=2.ckpt"
     assert sorted(p.name for p in ckpt.iterdir()) == ["meta.pt", "rank_0.pt", "rank_1.pt"]
-    run = _launch(tmp_path, "--clip", str(CLIP), "--steps", str(STEPS), "--resume", str(ckpt))
+    run = launch(tmp_path, "--clip", str(CLIP), "--steps", str(STEPS), "--resume", str(ckpt))
     resumed, straight = _weights(run, start), _weights(two_procs, start)
     assert rel_diff(resumed, start) > 1e-2
     assert rel_diff(resumed, straight) == 0.0
@@ -208,7 +161,7 @@ def test_bf16_mixed_two_processes_within_bf16_noise(start, reference, tmp_path):
 
     Two processes cannot agree with one to fp32 rounding here (the reduce-scatter sums bf16 gradients), so the
     tolerance is the bf16 noise floor: how far a one-process bf16-mixed run is from the fp32 reference."""
-    run = _launch(tmp_path, "--clip", str(CLIP), "--steps", str(STEPS), "--precision", "bf16-mixed",
+    run = launch(tmp_path, "--clip", str(CLIP), "--steps", str(STEPS), "--precision", "bf16-mixed",
                   "--ckpt-dir", str(tmp_path / "ckpt"))
     one = HybridModule(copy.deepcopy(start))
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="lazytrain", precision="bf16-mixed", max_steps=STEPS,
