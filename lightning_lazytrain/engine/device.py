@@ -1,7 +1,8 @@
 """The streams and events of the executor, with the same interface on the CPU (where they are no-ops).
 
-On CUDA there are three queues: the compute stream (whatever stream is current when a layer runs: autograd
-replays the backward on the stream the forward used), a weight H2D stream and a gradient D2H stream. Work is
+On CUDA there are four queues: the compute stream (whatever stream is current when a layer runs: autograd
+replays the backward on the stream the forward used), a weight H2D stream, a D2H stream (gradients, activation
+offloads) and an activation-reload H2D stream. Work is
 ordered only by events; nothing here synchronizes the device. On the CPU every copy is synchronous, so an
 event is ``None`` and waiting on it does nothing: the control flow stays identical and testable without a GPU.
 """
@@ -22,8 +23,9 @@ class DeviceQueues:
         if self.is_cuda:
             self.h2d = torch.cuda.Stream(device)
             self.d2h = torch.cuda.Stream(device)
+            self.reload = torch.cuda.Stream(device)
         else:
-            self.h2d = self.d2h = None
+            self.h2d = self.d2h = self.reload = None
         self._stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._stall_carry = 0.0
         self._busy: list[tuple[torch.cuda.Event, torch.cuda.Event] | None] = []  # None ends a span

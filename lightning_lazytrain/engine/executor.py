@@ -235,7 +235,7 @@ class StreamingExecutor:
         now = (self.pool.h2d_copies, self.pool.h2d_bytes, self.sink.d2h_bytes)
         before, self._stats_mark = getattr(self, "_stats_mark", (0, 0, 0)), now
         copies, h2d, d2h = (a - b for a, b in zip(now, before))
-        homes = self.homes.stats() if self.homes is not None else {}
+        homes = self.homes.take_stats() if self.homes is not None else {}
         waited = sum(u.update_wait_seconds for u in self.store.units)
         for unit in self.store.units:
             unit.update_wait_seconds = 0.0

@@ -121,6 +121,10 @@ class StackRun:
                 homes.put(j + 1, x)
         if training:
             homes.flush()
+            # the backward's first block starts at this boundary: bring it back while the head runs
+            first = plan.blocks()[-1][0]
+            if self._needed(first):
+                homes.prefetch(first)
         ex.queues.end_span()
         return x
 

@@ -8,25 +8,10 @@ Model as implemented (layers j = 0..L-1, layer j reads boundary j and writes j+1
   L are on the GPU. Flow conservation: one edge leaves 0, one enters L, and for interior i
   ``sum_s x(s,i) = sum_e x(i,e) = z_i``, so the chosen edges are one path 0 -> L through the saved boundaries.
 * Budgets: ``A_0 + A_L + sum A_i g_i <= M_G``, ``sum A_i c_i <= M_C``, ``sum A_i n_i <= M_N``.
-* Windows: w = 0..L-1 is layer w's compute (forward + backward, ``window_seconds[w]``); w = L is the head window
-  (lm_head + loss, ``head_seconds``), which sits after the last forward and before the first backward.
-* Offload (D2H) of boundary i: ``dc(i,w)`` (to CPU) / ``dn(i,w)`` (to NVMe) for windows ``w = i..L``: during the
-  forward of layers i.. L-1 (boundary i exists once layer i-1 wrote it) or the head window.
-  ``sum_w dc(i,w) = A_i c_i``, ``sum_w dn(i,w) = A_i n_i``.
-* Reload (H2D) of boundary i: ``hc(i,w)`` / ``hn(i,w)`` for windows ``w = i+1..L``, and for a real window only if
-  the block leaving i is (i, e) with ``e <= w``: ``hc(i,w) + hn(i,w) <= A_i * sum_{e<=w} x(i,e)``. The backward
-  of layer w >= e finishes before block (i, e)'s backward starts (its re-forward from i, or layer i's backward
-  when e = i+1), so the reload is ready in time. This is stricter than the paper's ``w >= i``, which lets a reload
-  overlap the layer that consumes it. ``sum_w hc = A_i c_i``, ``sum_w hn = A_i n_i``.
-* NVMe traffic passes through host memory, so in its window it uses the PCIe link *and* the disk (a bounce buffer
-  streams it; same window for both).
-* Per window and direction: ``sum_i (dc+dn)(i,w) <= free_D(w) + dD(w)`` with
-  ``free_D(w) = max(0, W_w * B_D - G_w)``; ``sum_i (hc+hn)(i,w) <= free_H(w) + dH(w)`` with
-  ``free_H(w) = max(0, W_w * B_H - P_w)``; ``sum_i dn(i,w) <= W_w * B_W + eW(w)``; ``sum_i hn(i,w) <= W_w * B_R
-  + eR(w)``. The slacks dD, dH, eW, eR >= 0 are the bytes above the activation-free baseline
-  ``max(0, mandatory - capacity)``: only they are charged.
-* Objective (seconds): ``sum R x + lambda_z sum z + lambda_c sum c + lambda_n sum n
-  + sum_w (dD/B_D + dH/B_H + eW/B_W + eR/B_R)``.
+* Transfers: by default the paper's aggregated windows (``milp_windows.py``); with ``engine_windows=True`` the
+  engine's own rules (``milp_transfers.py``, slower to solve). Bytes a window cannot hide beside the mandatory
+  weight and gradient copies are slack, charged at 1 / bandwidth seconds per byte.
+* Objective (seconds): ``sum R x + lambda_z sum z + lambda_c sum c + lambda_n sum n + slack``.
 
 ``predicted_exposed_seconds`` = recompute seconds ``sum R x`` + charged slack seconds (the four slack terms), i.e.
 the objective without tie-breakers. PCIe and disk slack of one window are added, not max'ed: an upper estimate.
@@ -46,6 +31,8 @@ from pyomo.contrib.appsi.base import TerminationCondition
 from pyomo.contrib.appsi.solvers import Highs
 
 from .milp_memory import add_memory, memory_shortfall, plan_gpu_bytes
+from .milp_transfers import add_transfers
+from .milp_windows import add_window_transfers
 from .problem import GIB, ScheduleProblem
 from .schedule import Schedule, Transfer
 
@@ -105,54 +92,23 @@ def precheck(problem: ScheduleProblem) -> None:
             f"(nvme budget), or allow a longer max_recompute_span")
 
 
-def _build(p: ScheduleProblem) -> pyo.ConcreteModel:
+def _build(p: ScheduleProblem, engine_windows: bool = False) -> pyo.ConcreteModel:
     n, span = p.num_layers, p.max_recompute_span
     a = [v / GIB for v in p.activation_bytes]
-    wins = list(range(n + 1))  # n = head window
-    secs = list(p.window_seconds) + [p.head_seconds]
-    p_h2d = list(p.param_h2d_bytes) + [0]
-    g_d2h = list(p.grad_d2h_bytes) + [0]
-    free_d = [max(0.0, secs[w] * p.d2h_bytes_per_s - g_d2h[w]) / GIB for w in wins]
-    free_h = [max(0.0, secs[w] * p.h2d_bytes_per_s - p_h2d[w]) / GIB for w in wins]
-    cap_w = [secs[w] * p.nvme_write_bytes_per_s / GIB for w in wins]
-    cap_r = [secs[w] * p.nvme_read_bytes_per_s / GIB for w in wins]
-    # A layer that keeps its graph runs no forward-with-grad in its backward and needs one weight copy, not two.
-    kept = [secs[w] - (p.forward_seconds[w] if w < n else 0.0) for w in wins]
-    kfree_d = [max(0.0, kept[w] * p.d2h_bytes_per_s - g_d2h[w]) / GIB for w in wins]
-    kfree_h = [max(0.0, kept[w] * p.h2d_bytes_per_s - p_h2d[w] / 2) / GIB for w in wins]
-    kcap_w = [kept[w] * p.nvme_write_bytes_per_s / GIB for w in wins]
-    kcap_r = [kept[w] * p.nvme_read_bytes_per_s / GIB for w in wins]
-    # Boundaries with zero bytes never need traffic; keep them in the model (they may still be homes) but
-    # give them no transfer variables so the LP stays small.
     inner = list(range(1, n))
-    moving = [i for i in inner if a[i] > 0]
     edges = [(s, e) for s in range(n) for e in range(s + 1, min(n, s + span) + 1)]
-    off_idx = [(i, w) for i in moving for w in range(i, n + 1)]
-    rel_idx = [(i, w) for i in moving for w in range(i + 1, n + 1)]
 
     m = pyo.ConcreteModel()
     m.x = pyo.Var(edges, domain=pyo.Binary)
     m.g = pyo.Var(inner, domain=pyo.Binary)
     m.c = pyo.Var(inner, domain=pyo.Binary)
     m.n = pyo.Var(inner, domain=pyo.Binary)
-    m.dc = pyo.Var(off_idx, domain=pyo.NonNegativeReals)
-    m.dn = pyo.Var(off_idx, domain=pyo.NonNegativeReals)
-    m.hc = pyo.Var(rel_idx, domain=pyo.NonNegativeReals)
-    m.hn = pyo.Var(rel_idx, domain=pyo.NonNegativeReals)
-    m.sD = pyo.Var(wins, domain=pyo.NonNegativeReals)
-    m.sH = pyo.Var(wins, domain=pyo.NonNegativeReals)
-    m.sW = pyo.Var(wins, domain=pyo.NonNegativeReals)
-    m.sR = pyo.Var(wins, domain=pyo.NonNegativeReals)
 
     out_e: dict[int, list[int]] = {i: [] for i in range(n + 1)}
     in_s: dict[int, list[int]] = {i: [] for i in range(n + 1)}
     for s, e in edges:
         out_e[s].append(e)
         in_s[e].append(s)
-    off_w = {i: range(i, n + 1) for i in moving}
-    rel_w = {i: range(i + 1, n + 1) for i in moving}
-    by_w_off: dict[int, list[int]] = {w: [i for i in moving if i <= w] for w in wins}
-    by_w_rel: dict[int, list[int]] = {w: [i for i in moving if i < w] for w in wins}
     qs = pyo.quicksum
 
     m.src = pyo.Constraint(expr=qs(m.x[0, e] for e in out_e[0]) == 1)
@@ -164,31 +120,9 @@ def _build(p: ScheduleProblem) -> pyo.ConcreteModel:
     if inner:  # a 1-layer model has no interior boundary, hence nothing to budget (precheck covered 0 and L)
         m.bud_c = pyo.Constraint(expr=qs(a[i] * m.c[i] for i in inner) <= p.cpu_budget_bytes / GIB)
         m.bud_n = pyo.Constraint(expr=qs(a[i] * m.n[i] for i in inner) <= p.nvme_budget_bytes / GIB)
-    m.off_c = pyo.Constraint(moving, rule=lambda m, i: qs(m.dc[i, w] for w in off_w[i]) == a[i] * m.c[i])
-    m.off_n = pyo.Constraint(moving, rule=lambda m, i: qs(m.dn[i, w] for w in off_w[i]) == a[i] * m.n[i])
-    m.rel_c = pyo.Constraint(moving, rule=lambda m, i: qs(m.hc[i, w] for w in rel_w[i]) == a[i] * m.c[i])
-    m.rel_n = pyo.Constraint(moving, rule=lambda m, i: qs(m.hn[i, w] for w in rel_w[i]) == a[i] * m.n[i])
-    # Reload in real window w only once the block leaving i ends at or before w (see module docstring).
-    link_idx = [(i, w) for (i, w) in rel_idx if w < n]
-    m.link = pyo.Constraint(link_idx, rule=lambda m, i, w: m.hc[i, w] + m.hn[i, w]
-                            <= a[i] * qs(m.x[i, e] for e in out_e[i] if e <= w))
-
-    def cap(base: list[float], keep: list[float], w: int):
-        return base[w] + (keep[w] - base[w]) * m.k[w] if w in m.k else base[w]
-
-    m.capD = pyo.Constraint(wins, rule=lambda m, w: qs(m.dc[i, w] + m.dn[i, w] for i in by_w_off[w])
-                            <= cap(free_d, kfree_d, w) + m.sD[w])
-    m.capH = pyo.Constraint(wins, rule=lambda m, w: qs(m.hc[i, w] + m.hn[i, w] for i in by_w_rel[w])
-                            <= cap(free_h, kfree_h, w) + m.sH[w])
-    m.capW = pyo.Constraint(wins, rule=lambda m, w: qs(m.dn[i, w] for i in by_w_off[w])
-                            <= cap(cap_w, kcap_w, w) + m.sW[w])
-    m.capR = pyo.Constraint(wins, rule=lambda m, w: qs(m.hn[i, w] for i in by_w_rel[w])
-                            <= cap(cap_r, kcap_r, w) + m.sR[w])
+    (add_transfers if engine_windows else add_window_transfers)(m, p, a, inner, out_e)
 
     m.recompute = pyo.Expression(expr=qs(p.recompute_seconds(s, e) * m.x[s, e] for s, e in edges))
-    m.slack = pyo.Expression(expr=qs(
-        m.sD[w] * (GIB / p.d2h_bytes_per_s) + m.sH[w] * (GIB / p.h2d_bytes_per_s)
-        + m.sW[w] * (GIB / p.nvme_write_bytes_per_s) + m.sR[w] * (GIB / p.nvme_read_bytes_per_s) for w in wins))
     m.ties = pyo.Expression(expr=qs(
         p.lambda_materialize * (m.g[i] + m.c[i] + m.n[i]) + p.lambda_cpu * m.c[i] + p.lambda_nvme * m.n[i]
         for i in inner))
@@ -197,7 +131,7 @@ def _build(p: ScheduleProblem) -> pyo.ConcreteModel:
     m.graph_saving = pyo.Expression(expr=qs(p.forward_seconds[j] * m.k[j] for j in m.k))
     m.reruns = pyo.Expression(expr=qs(p.forward_seconds[j] * (1 - m.k[j]) for j in m.k))
     m.obj = pyo.Objective(expr=m.recompute + m.slack + m.ties + m.reruns, sense=pyo.minimize)
-    m._edges, m._off, m._rel, m._inner = edges, off_idx, rel_idx, inner
+    m._edges, m._inner = edges, inner
     return m
 
 
@@ -208,7 +142,7 @@ def _status(tc: TerminationCondition) -> str:
 
 
 def solve(problem: ScheduleProblem, time_limit: float = 10.0, mip_gap: float = 0.01,
-          threads: int | None = None) -> Schedule:
+          threads: int | None = None, engine_windows: bool = False) -> Schedule:
     """Solve the full placement MILP; returns the best plan found within ``time_limit`` seconds / ``mip_gap``.
 
     Raises InfeasibleScheduleError when no plan fits the budgets (pre-check or solver), RuntimeError when HiGHS
@@ -216,7 +150,7 @@ def solve(problem: ScheduleProblem, time_limit: float = 10.0, mip_gap: float = 0
     """
     precheck(problem)
     t0 = time.perf_counter()
-    m = _build(problem)
+    m = _build(problem, engine_windows)
     opt = Highs()
     opt.config.load_solution = False
     opt.config.stream_solver = False
@@ -258,7 +192,7 @@ def _extract(p: ScheduleProblem, m: pyo.ConcreteModel, res, status: str, t_build
             if _val(getattr(m, name)[i]) > 0.5:
                 tiers[i] = {"g": "gpu", "c": "cpu", "n": "nvme"}[name]
     transfers = []
-    for var, idx, direction, tier in ((m.dc, m._off, "offload", "cpu"), (m.dn, m._off, "offload", "nvme"),
+    for var, idx, direction, tier in ((m.dc, m._off, "offload", "cpu"), (m.dn, m._off_n, "offload", "nvme"),
                                       (m.hc, m._rel, "reload", "cpu"), (m.hn, m._rel, "reload", "nvme")):
         for i, w in idx:
             b = _val(var[i, w]) * GIB

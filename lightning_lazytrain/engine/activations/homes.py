@@ -3,6 +3,8 @@
 ``put`` is called right after a boundary is produced on the compute stream; ``prefetch`` starts bringing it back
 early in the backward; ``get`` hands the device tensor to the compute stream. Offloads run on the D2H queue, reloads
 on the H2D queue, and NVMe file I/O on background threads; order is kept with events only, never a device sync.
+Reloads have their own H2D stream (``DeviceQueues.reload``): on the weight stream a reload queued late (after an
+NVMe read) would wait behind weight copies that wait for compute further ahead, and the compute would stall on it.
 On the CPU every copy is synchronous, but the same code runs, files included, so CI tests the real path.
 """
 
@@ -167,9 +169,9 @@ class ActivationHomes:
         entry.tensor = torch.empty(entry.shape, dtype=entry.dtype, device=q.device)
         allocated = q.record()
         if entry.home == "cpu":
-            q.wait(allocated, q.h2d)
-            q.wait(entry.offloaded, q.h2d)
-            with q.on(q.h2d):
+            q.wait(allocated, q.reload)
+            q.wait(entry.offloaded, q.reload)
+            with q.on(q.reload):
                 entry.tensor.copy_(entry.host.view(entry.dtype).view(entry.shape), non_blocking=True)
             entry.ready = q.record(q.h2d)
             self.buffers.give(entry.host, entry.ready)
@@ -190,8 +192,8 @@ class ActivationHomes:
             raise
         self._count("nvme_read_bytes", entry.nbytes)
         # The H2D is queued from this thread, so it starts as soon as the bytes are in, not at get().
-        q.wait(allocated, q.h2d)
-        with q.on(q.h2d):
+        q.wait(allocated, q.reload)
+        with q.on(q.reload):
             entry.tensor.copy_(buf.view(entry.dtype).view(entry.shape), non_blocking=True)
         ready = q.record(q.h2d)
         self.buffers.give(buf, ready)
@@ -236,6 +238,13 @@ class ActivationHomes:
         finally:
             self._closed = True
             self._finalizer()
+
+    def take_stats(self) -> dict[str, int]:
+        """The byte counters since the previous call (one step when called once per step), then reset them."""
+        with self._stats_lock:
+            out = self.stats()
+            self.offload_bytes = self.reload_bytes = self.nvme_write_bytes = self.nvme_read_bytes = 0
+        return out
 
     def stats(self) -> dict[str, int]:
         return {"offload_bytes": self.offload_bytes, "reload_bytes": self.reload_bytes,
