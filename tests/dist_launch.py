@@ -13,7 +13,9 @@ TESTS = Path(__file__).resolve().parent
 
 def env(**extra: str) -> dict[str, str]:
     out = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    out.update(PYTHONPATH=f"{TESTS.parent}{os.pathsep}{TESTS}", OMP_NUM_THREADS="1", **extra)
+    # prepend: packages installed outside site-packages (a --target install on PYTHONPATH) must stay importable
+    path = os.pathsep.join(p for p in (str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")) if p)
+    out.update(PYTHONPATH=path, OMP_NUM_THREADS="1", **extra)
     return out
 
 

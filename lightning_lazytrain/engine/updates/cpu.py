@@ -8,6 +8,7 @@ the bf16 streamed copy; bumping the unit's generation tells the weight slots the
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -30,6 +31,7 @@ class UnitUpdateQueue:
         self.sink = sink  # the path's sink: it hands each unit's gradients over (``grads/handoff.py``)
         self.timeout_s = timeout_s
         self._busy = {unit.index: 0.0 for unit in units}
+        self._busy_lock = threading.Lock()  # two workers add while the main thread takes and resets
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-update")
 
     def _submit(self, coef: float) -> None:
@@ -53,13 +55,15 @@ class UnitUpdateQueue:
         try:
             self._run(unit, coef, lr_of)
         finally:
-            self._busy[unit.index] += time.perf_counter() - start
+            with self._busy_lock:
+                self._busy[unit.index] += time.perf_counter() - start
 
     def take_busy_seconds(self) -> tuple[float, float]:
         """(CPU worker, device worker) seconds spent on updates since the last call."""
-        cpu = sum(t for i, t in self._busy.items() if not self.sink.grads[i].on_device)
-        device = sum(t for i, t in self._busy.items() if self.sink.grads[i].on_device)
-        self._busy = dict.fromkeys(self._busy, 0.0)
+        with self._busy_lock:
+            busy, self._busy = self._busy, dict.fromkeys(self._busy, 0.0)
+        cpu = sum(t for i, t in busy.items() if not self.sink.grads[i].on_device)
+        device = sum(t for i, t in busy.items() if self.sink.grads[i].on_device)
         return cpu, device
 
     def _run(self, unit: ParamUnit, coef: float, lr_of: dict[int, float]) -> None:
