@@ -19,6 +19,7 @@ from lightning_lazytrain.engine.device import DeviceQueues
 from lightning_lazytrain.engine.grads.handoff import HandoffSink
 from lightning_lazytrain.engine.weights.shared_store import SharedParamStore
 from lightning_lazytrain.engine.weights.store import ParamUnit
+from lightning_lazytrain.engine.weights.topology import reduce_scatter_flat
 from lightning_lazytrain.optim import grad_norm_sq
 
 
@@ -43,7 +44,7 @@ class ShardedGradSink(HandoffSink):
         flat = torch.cat(parts)
         shard = torch.empty(lay.shard, dtype=self.dtype, device=device) if self.queues.is_cuda else handoff.host
         with self.store.topology.collective(f"the gradient reduce-scatter of {unit.label}"):
-            work = dist.reduce_scatter_single(shard, flat, async_op=True)
+            work = reduce_scatter_flat(shard, flat, async_op=True)
         if self.queues.is_cuda:
             with self.queues.on(self.queues.d2h):
                 work.wait()  # the D2H stream waits for the collective; the host does not

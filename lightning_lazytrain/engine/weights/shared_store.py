@@ -20,11 +20,10 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_lazytrain.engine.weights.store import HostParamStore, ParamEntry, ParamUnit, collect_entries
-from lightning_lazytrain.engine.weights.topology import Topology
+from lightning_lazytrain.engine.weights.topology import Topology, all_gather_flat
 
 log = logging.getLogger(__name__)
 _ALIGN = 256  # elements: every unit starts on a fresh cache line / DMA-friendly boundary in the shared file
@@ -138,7 +137,7 @@ class SharedParamStore(HostParamStore):
         if topo.num_nodes > 1:
             gathered = torch.empty(topo.num_nodes * lay.shard, dtype=self.stream_dtype)
             with topo.collective(f"the all-gather of the updated shards of {unit.label} across machines"):
-                dist.all_gather_single(gathered, padded[lay.start : lay.stop], group=topo.cross_group)
+                all_gather_flat(gathered, padded[lay.start : lay.stop], group=topo.cross_group)
             size = lay.shard
             for n, rank in enumerate(topo.cross_ranks):
                 if rank != topo.rank:
@@ -201,7 +200,7 @@ def _check_same_weights(labels: list[str], units: list[list[ParamEntry]], topo: 
                           sum(float(e.param.data.double().square().sum()) for e in u)] for u in units],
                         dtype=torch.float64)
     every = torch.empty((topo.world_size * sums.shape[0], 2), dtype=torch.float64)
-    dist.all_gather_single(every, sums, group=topo.host_group)
+    all_gather_flat(every, sums, group=topo.host_group)
     every = every.view(topo.world_size, -1, 2)
     close = torch.isclose(every, every[0:1], rtol=1e-9, atol=1e-12).all(dim=2)
     if not bool(close.all()):

@@ -23,6 +23,11 @@ from typing import Any
 
 import torch.distributed as dist
 
+# torch 2.13 names the flat collectives ``*_single`` and deprecates ``all_gather_into_tensor`` and
+# ``reduce_scatter_tensor``; the releases before it that we support have only the old names
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class PeerLostError(RuntimeError):
     """A collective failed: another process of the run stopped, hangs past the timeout, or cannot be reached."""
