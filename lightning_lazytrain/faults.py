@@ -148,7 +148,7 @@ def gpu_out_of_memory(exc: BaseException, available: int | None, batch_shape: tu
 
 
 def plan_summary(plan) -> str:
-    """A ``StackPlan`` in a line: how many boundaries live in each home, and how many layers keep their graph."""
+    """A ``Schedule`` in a line: how many boundaries live in each home, and how many layers keep their graph."""
     if plan is None:
         return "not set"
     return f"{plan.counts()}, {plan.graph_layers} layers keep their graph"

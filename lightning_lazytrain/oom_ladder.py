@@ -18,32 +18,37 @@ import dataclasses
 import logging
 from collections.abc import Callable
 
-from lightning_lazytrain.engine import StackPlan, StreamingExecutor
+from lightning_lazytrain.engine import Schedule, StreamingExecutor
 
 log = logging.getLogger(__name__)
 RUNGS = ("smaller GPU budget", "more recompute", "CPU/NVMe homes")
 
 
-def drop_graphs(plan: StackPlan) -> StackPlan:
-    return StackPlan(plan.homes, (False,) * plan.num_layers)
+def _rung_plan(tiers: list[str], keep_graph: list[bool], rung: str) -> Schedule:
+    # No recompute span: a rung may lengthen blocks past the one the plan was solved under, and that is the point.
+    return Schedule(tiers, status=f"oom rung: {rung}", keep_graph=keep_graph)
 
 
-def more_recompute(plan: StackPlan) -> StackPlan:
-    homes, saved = list(plan.homes), [i for i, h in enumerate(plan.homes[1:-1], start=1) if h != "recompute"]
+def drop_graphs(plan: Schedule) -> Schedule:
+    return _rung_plan(plan.tiers, [False] * plan.num_layers, RUNGS[0])
+
+
+def more_recompute(plan: Schedule) -> Schedule:
+    homes, saved = list(plan.tiers), [i for i, h in enumerate(plan.tiers[1:-1], start=1) if h != "recompute"]
     for i in saved[::2]:
         homes[i] = "recompute"
-    return StackPlan(tuple(homes), (False,) * plan.num_layers)
+    return _rung_plan(homes, [False] * plan.num_layers, RUNGS[1])
 
 
-def host_homes(plan: StackPlan, spill_dir: str | None) -> StackPlan:
-    homes = list(plan.homes)
+def host_homes(plan: Schedule, spill_dir: str | None) -> Schedule:
+    homes = list(plan.tiers)
     on_gpu = [i for i, h in enumerate(homes[1:-1], start=1) if h == "gpu" and not _graph_input(plan, i)]
     for k, i in enumerate(on_gpu):
         homes[i] = "nvme" if spill_dir is not None and k % 2 else "cpu"
-    return StackPlan(tuple(homes), plan.keep_graph)
+    return _rung_plan(homes, plan.keep_graph, RUNGS[2])
 
 
-def _graph_input(plan: StackPlan, i: int) -> bool:
+def _graph_input(plan: Schedule, i: int) -> bool:
     return i < plan.num_layers and plan.keep_graph[i]
 
 
@@ -57,7 +62,7 @@ class OomLadder:
     taken: list[str] = dataclasses.field(default_factory=list)
 
     def plan_after_oom(self, executor: StreamingExecutor, settings, shape: tuple[int, int] | None, step: int,
-                       accumulate_grad_batches: int) -> StackPlan | None:
+                       accumulate_grad_batches: int) -> Schedule | None:
         """The next rung's plan while the ladder applies (the first ``steps`` steps, no accumulation: a half-done
         accumulation cannot be run again), else None."""
         if executor is None or step >= self.steps or accumulate_grad_batches != 1:
@@ -67,8 +72,8 @@ class OomLadder:
         return self.next_plan(executor.plan, settings.spill_dir, resolve)
 
     def next_plan(
-        self, plan: StackPlan, spill_dir: str | None, resolve: Callable[[float], StackPlan | None] | None
-    ) -> StackPlan | None:
+        self, plan: Schedule, spill_dir: str | None, resolve: Callable[[float], Schedule | None] | None
+    ) -> Schedule | None:
         """The plan of the next rung that changes ``plan``, or None when none is left."""
         while self.rung < len(RUNGS):
             name, self.rung = RUNGS[self.rung], self.rung + 1
@@ -78,7 +83,7 @@ class OomLadder:
                 candidate = more_recompute(plan)
             else:
                 candidate = host_homes(plan, spill_dir)
-            if candidate != plan:
+            if not candidate.same_placement(plan):
                 self.taken.append(name)
                 log.warning(
                     "lazytrain: out of GPU memory; fallback rung %d (%s): plan %s, %d kept graphs",
@@ -91,13 +96,13 @@ class OomLadder:
         return None
 
 
-def milp_resolver(settings, executor: StreamingExecutor, shape: tuple[int, int]) -> Callable[[float], StackPlan]:
+def milp_resolver(settings, executor: StreamingExecutor, shape: tuple[int, int]) -> Callable[[float], Schedule]:
     """``resolve(fraction)``: the MILP solved again for ``shape`` with ``fraction`` of the current GPU budget."""
     from lightning_lazytrain.planner import GIB, budgets, solve_plan
 
-    def resolve(fraction: float) -> StackPlan:
+    def resolve(fraction: float) -> Schedule:
         gpu = budgets(settings, executor)[0] * fraction
         settings.gpu_activation_gib = gpu / GIB  # later rungs and re-plans keep the smaller budget
-        return solve_plan(settings, executor, *shape).stack_plan()
+        return solve_plan(settings, executor, *shape)
 
     return resolve

@@ -1,4 +1,4 @@
-"""From the ``schedule=`` argument to a ``StackPlan``: a fixed interval, a JSON plan, or the MILP solved here.
+"""From the ``schedule=`` argument to a ``Schedule``: a fixed interval, a JSON plan, or the MILP solved here.
 
 The MILP needs the batch shape, so ``"milp"`` is solved at the first training batch: profile the layers (cached per
 machine and shape), build the problem with the budgets, solve with HiGHS, write the plan as JSON beside the logs.
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import psutil
 
-from lightning_lazytrain.engine import StackPlan, StreamingExecutor
+from lightning_lazytrain.engine import Schedule, StreamingExecutor
 from lightning_lazytrain.engine.device import device_free_bytes
-from lightning_lazytrain.schedule import Profile, Schedule, build_problem, profile_model, solve
+from lightning_lazytrain.schedule import Profile, build_problem, profile_model, solve
 from lightning_lazytrain.units import GIB
 
 log = logging.getLogger(__name__)
@@ -43,18 +43,18 @@ class PlanSettings:
             return "json"
         raise ValueError(
             f"schedule={self.schedule!r} is not understood; use 'interval:K' (K >= 1), 'milp', or a path to a plan"
-            " JSON written by lightning_lazytrain.schedule.Schedule.to_json()"
+            " JSON written by lightning_lazytrain.engine.Schedule.to_json()"
         )
 
 
-def initial_plan(settings: PlanSettings, num_layers: int) -> StackPlan:
+def initial_plan(settings: PlanSettings, num_layers: int) -> Schedule:
     """The plan to start with: final for interval and JSON plans, a placeholder until the MILP is solved."""
     kind = settings.kind()
     if kind == "interval":
         k = int(settings.schedule.split(":")[1])
         if k < 1:
             raise ValueError(f"schedule={settings.schedule!r}: the interval must be >= 1")
-        return StackPlan.every(num_layers, k, settings.keep_graph_layers)
+        return Schedule.every(num_layers, k, settings.keep_graph_layers)
     if kind == "json":
         if settings.keep_graph_layers:
             raise ValueError(f"keep_graph_layers={settings.keep_graph_layers} does not apply to the plan file "
@@ -65,8 +65,8 @@ def initial_plan(settings: PlanSettings, num_layers: int) -> StackPlan:
         if schedule.num_layers != num_layers:
             raise ValueError(f"the plan in {settings.schedule} is for {schedule.num_layers} layers, the model has"
                              f" {num_layers}")
-        return schedule.stack_plan()
-    return StackPlan.every(num_layers, 1, 0)
+        return schedule
+    return Schedule.every(num_layers, 1, 0)
 
 
 def solve_plan(settings: PlanSettings, executor: StreamingExecutor, batch: int, seq: int,

@@ -83,7 +83,7 @@ class MilpPlan:
         self.resume.plan_shape = shape
         saved = self.resume.saved_plan(shape)
         self.resume.schedule_result = saved or solve_plan(self.settings, executor, *shape)
-        executor.set_plan(self.resume.schedule_result.stack_plan(), self.num_slots)
+        executor.set_plan(self.resume.schedule_result, self.num_slots)
         if saved is not None:
             log.info("lazytrain: running the plan saved in the checkpoint for batch %d x %d", *shape)
             return
@@ -99,7 +99,7 @@ class MilpPlan:
             return
         schedule = solve_plan(self.settings, executor, *self.resume.plan_shape, profile=profile)
         self.resume.schedule_result = schedule
-        executor.set_plan(schedule.stack_plan(), self.num_slots)
+        executor.set_plan(schedule, self.num_slots)
         path = write_plan(schedule, log_dir)
         log.warning("lazytrain: re-planned at step %d: %s, predicted exposed %.3f s, written to %s",
                     step, schedule.counts(), schedule.predicted_exposed_seconds, path)

@@ -19,19 +19,19 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from lightning_lazytrain.admission import AdmissionReport, admission
 from lightning_lazytrain.checkpointing import CheckpointingStrategy, last_checkpoint
 from lightning_lazytrain.engine import StreamingExecutor
 from lightning_lazytrain.engine.device import device_free_bytes
 from lightning_lazytrain.engine.generation import EvalGeneration
 from lightning_lazytrain.faults import gpu_out_of_memory, plan_summary
-from lightning_lazytrain.memory import admission
 from lightning_lazytrain.models import adapter_for, find_hf_model
 from lightning_lazytrain.oom_ladder import OomLadder
 from lightning_lazytrain.planner import PlanSettings, initial_plan
 from lightning_lazytrain.precision import LazyTrainPrecision
 from lightning_lazytrain.replan import LinkDrift, MilpPlan
 from lightning_lazytrain.resume import ResumeState
-from lightning_lazytrain.schedule import AdmissionReport, Schedule
+from lightning_lazytrain.schedule import Schedule
 from lightning_lazytrain.schedule.generation import GENERATION_MODES, GenerationMode
 
 log = logging.getLogger(__name__)

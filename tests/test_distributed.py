@@ -22,7 +22,7 @@ from helpers import batches, loader, rel_diff, tiny_model, train, update_rel_dif
 from transformers import AutoModelForCausalLM
 
 from lightning_lazytrain.checkpoint.sharded import consolidate, export_sharded_hf
-from lightning_lazytrain.schedule import admission_report
+from lightning_lazytrain.admission import admission_report
 
 CLIP = 0.05
 STEPS = 3

@@ -44,12 +44,12 @@ def test_three_ooms_walk_the_rungs_and_training_matches_plain(caplog, tmp_path, 
 
 
 def test_last_rung_plan_is_the_expected_one():
-    from lightning_lazytrain.engine import StackPlan
+    from lightning_lazytrain.engine import Schedule
     from lightning_lazytrain.oom_ladder import OomLadder
 
-    ladder, plan, seen = OomLadder(), StackPlan.every(4, 1, 2), []
+    ladder, plan, seen = OomLadder(), Schedule.every(4, 1, 2), []
     while (plan := ladder.next_plan(plan, "/spill", None) or None) is not None:
-        seen.append((plan.homes, plan.keep_graph))
+        seen.append((tuple(plan.tiers), tuple(plan.keep_graph)))
     assert seen == [
         (("gpu",) * 5, (False,) * 4),
         (("gpu", "recompute", "gpu", "recompute", "gpu"), (False,) * 4),

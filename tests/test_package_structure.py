@@ -18,7 +18,7 @@ LIBRARY = (
     "resume",
     "replan",
     "oom_ladder",
-    "memory",
+    "admission",
     "planner",
     "faults",
     "engine",

@@ -12,7 +12,7 @@ from resume_setup import MAX_STEPS, assert_same_tree, fit, start_model
 
 from lightning_lazytrain import AtomicCheckpointIO, LazyTrainStrategy
 from lightning_lazytrain.resume import STATE_KEY
-from lightning_lazytrain.schedule import interval_schedule
+from lightning_lazytrain.engine import Schedule
 from lightning_lazytrain.sft.data.sampler import ResumableDataLoader, ResumableRandomSampler
 
 
@@ -98,7 +98,7 @@ def test_strategy_state_round_trips_through_a_checkpoint_file(tmp_path):
     saving = LazyTrainStrategy(schedule="milp")
     saving.resume.skipped_steps = 2
     saving.resume.nonfinite_guard.consecutive, saving.resume.nonfinite_guard.skipped = 1, 2
-    saving.resume.schedule_result = interval_schedule(4, 2)
+    saving.resume.schedule_result = Schedule.every(4, 2)
     saving.resume.plan_shape = (2, 16)
     io, path = AtomicCheckpointIO(), tmp_path / "s.ckpt"
     io.save_checkpoint({STATE_KEY: saving.resume.dump()}, path)

@@ -1,6 +1,6 @@
 import pytest
 
-from lightning_lazytrain.schedule import AdmissionError, admission_report, check_admission, host_bytes_per_param
+from lightning_lazytrain.admission import AdmissionError, admission_report, check_admission, host_bytes_per_param
 
 GIB = 1 << 30
 HOST_H200 = 125 * GIB

@@ -15,7 +15,7 @@ from helpers import tiny_config
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3_5TextConfig
 
 from lightning_lazytrain.models.adapter import adapter_for
-from lightning_lazytrain.schedule import all_gpu_schedule, interval_schedule
+from lightning_lazytrain.engine import Schedule
 from lightning_lazytrain.schedule.analytic import ACHIEVED_FRACTION, analytic_profile, gpu_layout, scale_profile
 from lightning_lazytrain.schedule.forecast import Machine, RunSpec, admits, forecast, largest_batch
 from lightning_lazytrain.schedule.gpus import GPUS, gpu_spec, spec_for_device
@@ -143,13 +143,13 @@ def test_step_prediction_sums_the_phases_by_hand():
         ),
         dtype="bfloat16",
     )
-    schedule = all_gpu_schedule(2)
+    schedule = Schedule.every(2)
     schedule.predicted_exposed_seconds = 0.2
     p = predict_step(prof, schedule, update_s=0.3)
     # layer 0 compute-bound (0.1 > 0.05 s copy; 0.3 > 0.1 s gradient), layer 1 link-bound (copy 0.05, grad 0.1)
     assert p.forward_s == pytest.approx(0.1 + 0.05) and p.backward_s == pytest.approx(0.3 + 0.1)
     assert p.step_s == pytest.approx(0.15 + 0.4 + 0.05 + 0.2 + 0.3)
-    kept = interval_schedule(2, 1)
+    kept = Schedule.every(2, 1)
     kept.keep_graph = [False, True]
     assert predict_step(prof, kept, 0.0).backward_s == pytest.approx(0.3 + max(2 * 0.01, 0.1))
 
@@ -272,12 +272,10 @@ def test_profile_of_a_meta_model_measured_on_the_gpu(tmp_path):
 
 
 def test_an_interval_plan_is_the_one_the_engine_would_run():
-    from lightning_lazytrain.engine import StackPlan
-
     run = _run(_meta(Qwen2Config(**QWEN25_7B)), schedule="interval:4", keep_graph_layers=2)
     f = forecast(run, _machine(80), 16, _analytic(run))
-    engine = StackPlan.every(28, 4, 2)
-    assert tuple(f.schedule.tiers) == engine.homes and tuple(f.schedule.keep_graph) == engine.keep_graph
+    engine = Schedule.every(28, 4, 2)
+    assert f.schedule.tiers == engine.tiers and f.schedule.keep_graph == engine.keep_graph
     # re-forwards of the 3 inner layers of each 4-layer block, as the MILP would charge them
     prof = _analytic(run)(16)
     blocks = f.schedule.blocks()

@@ -2,34 +2,42 @@ import json
 
 import pytest
 
-from lightning_lazytrain.schedule import Schedule, ScheduleProblem, Transfer, all_gpu_schedule, interval_schedule
+from lightning_lazytrain.engine import Schedule
+from lightning_lazytrain.schedule import ScheduleProblem
 
 
 def test_interval_schedule_is_megatrain_policy():
-    s = interval_schedule(10, 4)
+    s = Schedule.every(10, 4)
     assert s.num_layers == 10 and len(s.tiers) == 11
     assert s.materialized() == [0, 4, 8, 10]
     assert s.blocks() == [(0, 4), (4, 8), (8, 10)]
     assert all(s.tiers[i] == "recompute" for i in (1, 2, 3, 5, 6, 7, 9))
     assert s.recomputed_layers() == 3 + 3 + 1
-    assert interval_schedule(8, 4).materialized() == [0, 4, 8]
+    assert Schedule.every(8, 4).materialized() == [0, 4, 8]
+    assert s.status == "interval:4" and s.max_recompute_span == 4
 
 
-def test_all_gpu_schedule():
-    s = all_gpu_schedule(5)
+def test_interval_one_keeps_every_boundary_on_the_gpu():
+    s = Schedule.every(5)
     assert s.tiers == ["gpu"] * 6 and s.blocks() == [(i, i + 1) for i in range(5)] and s.recomputed_layers() == 0
     assert s.keep_graph == [False] * 5
 
 
-def test_json_round_trip_with_transfers_and_keep_graph():
+def test_kept_graphs_save_both_their_boundaries_on_the_gpu():
+    s = Schedule.every(6, 3, keep_graph_layers=2)
+    assert s.tiers == ["gpu", "recompute", "recompute", "gpu", "gpu", "gpu", "gpu"]
+    assert s.keep_graph == [False] * 4 + [True] * 2 and s.graph_layers == 2
+    assert s.slots_needed(2) == 2 + 3 + 2  # two held graphs, the block (0, 3), two slots of prefetch
+
+
+def test_json_round_trip_with_keep_graph():
     s = Schedule(tiers=["gpu", "cpu", "recompute", "nvme", "gpu"], objective=0.25, predicted_exposed_seconds=0.2,
                  status="optimal", keep_graph=[True, False, False, True], max_recompute_span=2,
-                 transfers=[Transfer(1, 1, "offload", "cpu", 123.0), Transfer(1, 3, "reload", "cpu", 123.0)],
                  info={"mip_gap": 0.0})
     t = Schedule.from_json(s.to_json())
     assert t == s
     assert json.loads(s.to_json())["tiers"] == s.tiers
-    assert Schedule.from_json(interval_schedule(6, 3).to_json()) == interval_schedule(6, 3)
+    assert Schedule.from_json(Schedule.every(6, 3).to_json()) == Schedule.every(6, 3)
 
 
 @pytest.mark.parametrize(
@@ -54,6 +62,12 @@ def test_from_json_rejects_bad_documents():
         Schedule.from_json(json.dumps({"tiers": ["gpu", "gpu"], "version": 99}))
     with pytest.raises(ValueError, match="must be 'gpu'"):
         Schedule.from_json(json.dumps({"tiers": ["gpu", "nvme"]}))
+
+
+def test_plans_written_with_the_solvers_transfers_still_load():
+    old = {"tiers": ["gpu", "cpu", "gpu"], "transfers": [{"boundary": 1, "window": 1, "direction": "offload",
+                                                          "tier": "cpu", "bytes": 123.0}]}
+    assert Schedule.from_json(json.dumps(old)) == Schedule(tiers=["gpu", "cpu", "gpu"])
 
 
 def _kw(n=3, **over):

@@ -7,8 +7,8 @@ import pytest
 import torch
 from helpers import LMModule, batches, loader, tiny_model, train
 
-import lightning_lazytrain.memory as memory
-from lightning_lazytrain.schedule import AdmissionError
+import lightning_lazytrain.admission as admission
+from lightning_lazytrain.admission import AdmissionError
 
 Mem = collections.namedtuple("Mem", "available")
 
@@ -17,7 +17,7 @@ def test_lazy_adam_states_that_do_not_fit_are_refused_before_step_one(monkeypatc
     model = tiny_model("qwen2")
     n = sum(p.numel() for p in model.parameters())
     # room for everything but half of AdamW's lazily allocated 8 B/param states
-    monkeypatch.setattr(memory.psutil, "virtual_memory", lambda: Mem(available=4 * n + 4 * n))
+    monkeypatch.setattr(admission.psutil, "virtual_memory", lambda: Mem(available=4 * n + 4 * n))
     module, start = LMModule(model), {k: v.clone() for k, v in model.state_dict().items()}
     trainer = pl.Trainer(accelerator="cpu", strategy="lazytrain", max_steps=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
@@ -29,13 +29,13 @@ def test_lazy_adam_states_that_do_not_fit_are_refused_before_step_one(monkeypatc
 
 def test_report_counts_what_the_run_needs(monkeypatch):
     seen = {}
-    real = memory.admission_report
+    real = admission.admission_report
 
     def spy(**kw):
         seen.update(kw)
         return real(**kw)
 
-    monkeypatch.setattr(memory, "admission_report", spy)
+    monkeypatch.setattr(admission, "admission_report", spy)
     model = tiny_model("qwen2")
     train(model, batches(1), strategy="lazytrain", max_steps=1)
     assert seen["num_params"] == sum(p.numel() for p in model.parameters())

@@ -18,7 +18,7 @@ from torch import nn
 from lightning_lazytrain.engine.activations.homes import ActivationHomes
 from lightning_lazytrain.engine.device import DeviceQueues, device_free_bytes
 from lightning_lazytrain.engine.hooks import ModelHooks
-from lightning_lazytrain.engine.plan import StackPlan
+from lightning_lazytrain.engine.plan import Schedule
 from lightning_lazytrain.engine.stack import LayerCall, StackContext, StackRun, StreamedStack
 from lightning_lazytrain.engine.updates.paths import UpdatePath
 from lightning_lazytrain.engine.weights.binding import leaves_of
@@ -39,7 +39,7 @@ class StreamingExecutor:
         device: torch.device,
         master_dtype: torch.dtype,
         stream_dtype: torch.dtype,
-        plan: StackPlan,
+        plan: Schedule,
         num_slots: int | None = None,
         prefetch_depth: int = 2,
         pin_memory: bool = True,
@@ -97,7 +97,7 @@ class StreamingExecutor:
         """Device bytes of the resident embedding/norm/head copy and its gradients."""
         return 2 * self._resident_buf.numel() * self._resident_buf.element_size()
 
-    def set_plan(self, plan: StackPlan, num_slots: int | None = None) -> None:
+    def set_plan(self, plan: Schedule, num_slots: int | None = None) -> None:
         """Adopt ``plan``: size the weight slot pool for it and open the activation homes it names."""
         if plan.num_layers != self.adapter.num_layers:
             raise ValueError(f"the plan covers {plan.num_layers} layers but the model has {self.adapter.num_layers}")
@@ -114,7 +114,7 @@ class StreamingExecutor:
                 self.pool = SlotPool(self.queues, slots, self.slot_numel, self.store.stream_dtype)
             except torch.OutOfMemoryError as err:
                 raise DeviceTooSmallError(self._slots_message(slots, self.slot_numel, self.store.stream_dtype)) from err
-        self.homes = ActivationHomes(self.queues, plan.homes, self.store.pinned, self.spill_dir, self.timeout_s)
+        self.homes = ActivationHomes(self.queues, plan.tiers, self.store.pinned, self.spill_dir, self.timeout_s)
 
     def unhooked(self) -> AbstractContextManager[None]:
         """The layers' own forwards, for code that copies or runs a layer itself (the profiler)."""

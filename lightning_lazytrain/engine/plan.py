@@ -1,52 +1,105 @@
-"""What the executor needs from a schedule: which boundaries are kept, and which layers keep their graph.
+"""The one plan type: the schedule package builds a ``Schedule`` (MILP, interval, JSON) and the executor runs it.
 
 Boundary ``i`` is the input of layer ``i`` (boundary ``L`` is the stack's output). Between two consecutive kept
 boundaries ``s < e`` lies one backward block: its layers are loaded once, layers ``s..e-2`` re-run without grad
 to rebuild their inputs, then each layer runs with grad and back-propagates. A layer that keeps its graph runs
 with grad in the forward and holds its weights and graph on the device until its backward (no re-forward).
+
+It lives in the engine, not in ``schedule/``, so that the executor runs plans without importing the solver.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 
 #: Where a boundary lives between its forward and its backward: kept on the GPU, offloaded to pinned host memory,
-#: spilled through it to a file, or dropped and rebuilt by re-running the layers before it. The one vocabulary of
-#: plans: ``schedule.Schedule.tiers`` uses these names too.
+#: spilled through it to a file, or dropped and rebuilt by re-running the layers before it.
 HOMES = ("gpu", "cpu", "nvme", "recompute")
+_VERSION = 1
+_FIELDS = ("tiers", "objective", "predicted_exposed_seconds", "status", "keep_graph", "max_recompute_span", "info")
 
 
-@dataclass(frozen=True)
-class StackPlan:
-    """The invariants every plan keeps (``Schedule`` checks its own on top: ends on the GPU, the recompute span)."""
+@dataclass
+class Schedule:
+    """Where each boundary's activation lives between its forward and its backward, and which layers keep their
+    graph.
 
-    homes: tuple[str, ...]
-    keep_graph: tuple[bool, ...]
+    tiers[i] for boundary i in 0..L, one of ``HOMES``:
+      "gpu"       -- kept on the GPU from the forward until the backward that needs it.
+      "cpu"       -- offloaded to pinned host memory in the forward, reloaded before its block's backward.
+      "nvme"      -- offloaded through host memory to a spill file, read back before its block's backward.
+      "recompute" -- dropped after the next layer consumed it; rebuilt in the backward by re-running the
+                     forward from the previous materialized boundary.
+    Boundaries 0 and L are always "gpu". ``keep_graph[j]`` (extension beyond the paper) means layer j keeps its whole
+    autograd graph on the GPU, so its backward needs no re-forward; it requires (j, j+1) to be a block.
+    ``objective``, ``predicted_exposed_seconds``, ``status`` and ``info`` are what the planner says of the plan; the
+    engine reads only the tiers and ``keep_graph``.
+    """
+
+    tiers: list[str]
+    objective: float = 0.0
+    predicted_exposed_seconds: float = 0.0
+    status: str = "given"
+    keep_graph: list[bool] | None = None
+    max_recompute_span: int | None = None
+    info: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        n = len(self.keep_graph)
-        if len(self.homes) != n + 1:
-            raise ValueError(f"keep_graph must have one entry per layer and the homes one more (boundaries 0..L): got"
-                             f" {n} and {len(self.homes)}")
-        bad = [(i, h) for i, h in enumerate(self.homes) if h not in HOMES]
+        self.tiers = list(self.tiers)
+        n = len(self.tiers) - 1
+        if n < 1:
+            raise ValueError(f"Schedule.tiers needs L+1 >= 2 entries, got {len(self.tiers)}")
+        bad = [(i, h) for i, h in enumerate(self.tiers) if h not in HOMES]
         if bad:
             raise ValueError(f"unknown tier(s) {bad}; allowed: {HOMES}")
-        if self.homes[0] == "recompute" or self.homes[-1] == "recompute":
-            raise ValueError("boundaries 0 and L must be kept (the stack's input and output)")
-        wrong = [j for j, keep in enumerate(self.keep_graph)
-                 if keep and (self.homes[j] == "recompute" or self.homes[j + 1] == "recompute")]
+        if self.tiers[0] != "gpu" or self.tiers[-1] != "gpu":
+            raise ValueError(f"Schedule boundaries 0 and L must be 'gpu', got {self.tiers[0]!r} / {self.tiers[-1]!r}")
+        self.keep_graph = [False] * n if self.keep_graph is None else [bool(k) for k in self.keep_graph]
+        if len(self.keep_graph) != n:
+            raise ValueError(f"keep_graph must have one entry per layer ({n}), got {len(self.keep_graph)}")
+        wrong = [j for j, keep in enumerate(self.keep_graph) if keep and not (self.kept(j) and self.kept(j + 1))]
         if wrong:
             raise ValueError(f"keep_graph layers {wrong} must be single-layer blocks (boundaries j and j+1 saved)")
+        if self.max_recompute_span is not None:
+            too_long = [b for b in self.blocks() if b[1] - b[0] > self.max_recompute_span]
+            if too_long:
+                raise ValueError(f"recompute block(s) {too_long} exceed max_recompute_span={self.max_recompute_span}")
+
+    @classmethod
+    def every(cls, num_layers: int, k: int = 1, keep_graph_layers: int = 0) -> Schedule:
+        """The MegaTrain policy: boundaries 0, k, 2k, ..., and L on the GPU, the rest recomputed; and the whole
+        graph of the last ``keep_graph_layers`` layers kept (their boundaries saved on the GPU).
+
+        The last layers are the ones to keep: their backward comes first, so their graph is held the shortest time.
+        """
+        if num_layers < 1 or k < 1:
+            raise ValueError(f"an interval plan needs num_layers >= 1 and k >= 1, got {num_layers}, {k}")
+        tiers = ["gpu" if i % k == 0 or i == num_layers else "recompute" for i in range(num_layers + 1)]
+        keep = [j >= num_layers - keep_graph_layers for j in range(num_layers)]
+        for j, flag in enumerate(keep):
+            if flag:
+                tiers[j] = tiers[j + 1] = "gpu"
+        return cls(tiers, status=f"interval:{k}", keep_graph=keep, max_recompute_span=k)
 
     @property
     def num_layers(self) -> int:
-        return len(self.keep_graph)
+        return len(self.tiers) - 1
 
     def kept(self, boundary: int) -> bool:
-        return self.homes[boundary] != "recompute"
+        return self.tiers[boundary] != "recompute"
+
+    def materialized(self) -> list[int]:
+        """Boundaries whose activation is saved somewhere (gpu/cpu/nvme), ascending; always starts 0, ends L."""
+        return [i for i, t in enumerate(self.tiers) if t != "recompute"]
 
     def blocks(self) -> list[tuple[int, int]]:
-        kept = [i for i, h in enumerate(self.homes) if h != "recompute"]
+        """Recompute blocks (s, e) between consecutive materialized boundaries, ascending.
+
+        Backward of block (s, e): load boundary s, re-run layers s..e-2 forward (no grad) to rebuild boundaries
+        s+1..e-1, then run each layer e-1 down to s forward-with-grad + backward in reverse.
+        """
+        kept = self.materialized()
         return list(zip(kept[:-1], kept[1:]))
 
     @property
@@ -58,24 +111,35 @@ class StackPlan:
         return sum(self.keep_graph)
 
     def counts(self) -> dict[str, int]:
-        """Boundaries per home, for the homes the plan uses."""
-        return {h: self.homes.count(h) for h in sorted(set(self.homes))}
+        """Boundaries per home over all of 0..L."""
+        return {t: self.tiers.count(t) for t in HOMES}
+
+    def recomputed_layers(self) -> int:
+        """Number of extra layer forwards the backward runs (sum over blocks of e - s - 1)."""
+        return sum(e - s - 1 for s, e in self.blocks())
 
     def slots_needed(self, prefetch: int = 1) -> int:
         """Device weight slots for this plan: held graphs, the largest block, and room to prefetch ahead."""
         return self.graph_layers + self.max_block + max(1, prefetch)
 
-    @classmethod
-    def every(cls, num_layers: int, k: int = 1, keep_graph_layers: int = 0) -> StackPlan:
-        """Keep every ``k``-th boundary on the GPU (k=1: all), and the whole graph of the last N layers.
+    def same_placement(self, other: Schedule) -> bool:
+        """Whether both plans run the same way (what the planner says of them aside)."""
+        return self.tiers == other.tiers and self.keep_graph == other.keep_graph
 
-        The last layers are the ones to keep: their backward comes first, so their graph is held the shortest time.
-        """
-        if k < 1:
-            raise ValueError(f"interval must be >= 1, got {k}")
-        homes = ["gpu" if i % k == 0 or i == num_layers else "recompute" for i in range(num_layers + 1)]
-        keep = [j >= num_layers - keep_graph_layers for j in range(num_layers)]
-        for j, flag in enumerate(keep):
-            if flag:
-                homes[j] = homes[j + 1] = "gpu"
-        return cls(tuple(homes), tuple(keep))
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps({"version": _VERSION, **{name: getattr(self, name) for name in _FIELDS}}, indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> Schedule:
+        d = json.loads(text)
+        if not isinstance(d, dict) or "tiers" not in d:
+            raise ValueError("schedule JSON must be an object with a 'tiers' list")
+        version = d.pop("version", _VERSION)
+        if version != _VERSION:
+            raise ValueError(f"schedule JSON version {version} is not supported (expected {_VERSION})")
+        # Plans written before the solver stopped reporting its per-window transfers carry them: nothing runs them.
+        d.pop("transfers", None)
+        unknown = set(d) - set(_FIELDS)
+        if unknown:
+            raise ValueError(f"schedule JSON has unknown keys {sorted(unknown)}")
+        return cls(**d)

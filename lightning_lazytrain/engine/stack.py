@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_lazytrain.engine.activations.homes import ActivationHomes
 from lightning_lazytrain.engine.device import DeviceQueues
-from lightning_lazytrain.engine.plan import StackPlan
+from lightning_lazytrain.engine.plan import Schedule
 from lightning_lazytrain.engine.rng import RngState, capture_rng, restore_rng, rng_fork
 from lightning_lazytrain.engine.weights.binding import bound, leaves_of
 from lightning_lazytrain.engine.weights.slots import Slot, SlotPool
@@ -53,7 +53,7 @@ class StackContext:
     pool: SlotPool
     queues: DeviceQueues
     homes: ActivationHomes
-    plan: StackPlan
+    plan: Schedule
     sink: WeightGradSink
     prefetch_depth: int
 

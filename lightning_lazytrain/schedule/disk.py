@@ -9,7 +9,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from .admission import TierUsage
+from lightning_lazytrain.admission import TierUsage
 
 
 def checkpoint_bytes(num_params: int, precision: str, optimizer_state_bytes_per_param: float) -> int:

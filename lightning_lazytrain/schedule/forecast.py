@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lightning_lazytrain.admission import AdmissionReport, admission_report
+from lightning_lazytrain.engine.plan import Schedule
 from lightning_lazytrain.models.adapter import ModelAdapter
 
-from .admission import AdmissionReport, admission_report
 from .analytic import analytic_profile, gpu_layout, model_flops_per_step
 from .build import build_problem
 from .disk import checkpoint_tier
@@ -25,7 +26,6 @@ from .gpus import GPUS, GpuSpec
 from .milp import InfeasibleScheduleError, precheck, solve
 from .problem import GIB
 from .profile import Profile
-from .schedule import Schedule, interval_schedule
 from .step_time import StepPrediction, predict_step
 
 MAX_BATCH = 1 << 14
@@ -214,13 +214,7 @@ def _plan(run: RunSpec, profile: Profile, gpu: int, cpu: int, nvme: int) -> Sche
         with open(kind) as f:
             schedule = Schedule.from_json(f.read())
     else:
-        k = int(kind.split(":")[1])
-        tiers = list(interval_schedule(n, k).tiers)
-        keep = [j >= n - run.keep_graph_layers for j in range(n)]
-        for j in range(n):
-            if keep[j]:  # a kept graph needs both its boundaries saved, as StackPlan.every does
-                tiers[j] = tiers[j + 1] = "gpu"
-        schedule = Schedule(tiers, status=f"interval:{k}", keep_graph=keep)
+        schedule = Schedule.every(n, int(kind.split(":")[1]), run.keep_graph_layers)
     schedule.predicted_exposed_seconds = sum(problem.recompute_seconds(s, e) for s, e in schedule.blocks())
     return schedule
 

@@ -30,11 +30,12 @@ import pyomo.environ as pyo
 from pyomo.contrib.appsi.base import TerminationCondition
 from pyomo.contrib.appsi.solvers import Highs
 
+from lightning_lazytrain.engine.plan import Schedule
+
 from .milp_memory import add_memory, memory_shortfall, plan_gpu_bytes
 from .milp_transfers import add_transfers
 from .milp_windows import add_window_transfers
 from .problem import GIB, ScheduleProblem
-from .schedule import Schedule, Transfer
 
 log = logging.getLogger(__name__)
 
@@ -191,13 +192,6 @@ def _extract(p: ScheduleProblem, m: pyo.ConcreteModel, res, status: str, t_build
         for name in ("g", "c", "n"):
             if _val(getattr(m, name)[i]) > 0.5:
                 tiers[i] = {"g": "gpu", "c": "cpu", "n": "nvme"}[name]
-    transfers = []
-    for var, idx, direction, tier in ((m.dc, m._off, "offload", "cpu"), (m.dn, m._off_n, "offload", "nvme"),
-                                      (m.hc, m._rel, "reload", "cpu"), (m.hn, m._rel, "reload", "nvme")):
-        for i, w in idx:
-            b = _val(var[i, w]) * GIB
-            if b > 1.0:  # drop solver round-off, keep every real byte
-                transfers.append(Transfer(boundary=i, window=w, direction=direction, tier=tier, bytes=round(b, 1)))
     obj = float(res.best_feasible_objective)
     bound = res.best_objective_bound
     gap = 0.0 if bound is None or obj == 0 else max(0.0, (obj - float(bound)) / abs(obj))
@@ -214,7 +208,7 @@ def _extract(p: ScheduleProblem, m: pyo.ConcreteModel, res, status: str, t_build
     if p.gpu_total_bytes is not None and gpu_bytes > p.gpu_total_bytes:
         raise RuntimeError(f"solver plan needs {gpu_bytes} B of GPU memory over the {p.gpu_total_bytes} B the "
                            f"device has for it (round-off); lower gpu_total_bytes by a few KiB")
-    sched = Schedule(tiers=tiers, objective=obj, status=status, transfers=transfers, keep_graph=keep_graph,
+    sched = Schedule(tiers=tiers, objective=obj, status=status, keep_graph=keep_graph,
                      max_recompute_span=p.max_recompute_span)
     recompute = sum(p.recompute_seconds(s, e) for s, e in sched.blocks())
     slack = _val(m.slack)

@@ -70,4 +70,3 @@ def add_window_transfers(m: pyo.ConcreteModel, p: ScheduleProblem, a: list[float
     m.slack = pyo.Expression(expr=qs(
         m.sD[w] * (GIB / p.d2h_bytes_per_s) + m.sH[w] * (GIB / p.h2d_bytes_per_s)
         + m.sW[w] * (GIB / p.nvme_write_bytes_per_s) + m.sR[w] * (GIB / p.nvme_read_bytes_per_s) for w in wins))
-    m._off, m._off_n, m._rel = off_idx, off_idx, rel_idx

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from lightning_lazytrain.engine.plan import Schedule
+
 from .build import _ITEMSIZE
 from .profile import Profile
-from .schedule import Schedule
 
 
 @dataclass(frozen=True)
