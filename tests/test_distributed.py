@@ -21,8 +21,8 @@ from dist_launch import launch, launch_two_machines
 from helpers import batches, loader, rel_diff, tiny_model, train, update_rel_diff
 from transformers import AutoModelForCausalLM
 
-from lightning_lazytrain.checkpoint.sharded import consolidate, export_sharded_hf
 from lightning_lazytrain.admission import admission_report
+from lightning_lazytrain.checkpoint.sharded import consolidate, export_sharded_hf
 
 CLIP = 0.05
 STEPS = 3

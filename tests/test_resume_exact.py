@@ -11,8 +11,8 @@ import torch
 from resume_setup import MAX_STEPS, assert_same_tree, fit, start_model
 
 from lightning_lazytrain import AtomicCheckpointIO, LazyTrainStrategy
-from lightning_lazytrain.resume import STATE_KEY
 from lightning_lazytrain.engine import Schedule
+from lightning_lazytrain.resume import STATE_KEY
 from lightning_lazytrain.sft.data.sampler import ResumableDataLoader, ResumableRandomSampler
 
 

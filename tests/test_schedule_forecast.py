@@ -14,8 +14,8 @@ import torch
 from helpers import tiny_config
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3_5TextConfig
 
-from lightning_lazytrain.models.adapter import adapter_for
 from lightning_lazytrain.engine import Schedule
+from lightning_lazytrain.models.adapter import adapter_for
 from lightning_lazytrain.schedule.analytic import ACHIEVED_FRACTION, analytic_profile, gpu_layout, scale_profile
 from lightning_lazytrain.schedule.forecast import Machine, RunSpec, admits, forecast, largest_batch
 from lightning_lazytrain.schedule.gpus import GPUS, gpu_spec, spec_for_device
