@@ -8,6 +8,7 @@ shards with several processes); the file layout (one file or a directory of shar
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,12 +16,39 @@ import lightning.pytorch as pl
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_lazytrain.checkpoint import sharded as sharded_checkpoint
 from lightning_lazytrain.checkpoint.atomic import AtomicCheckpointIO, CorruptCheckpointError
 from lightning_lazytrain.parallel import ProcessGroupStrategy
 from lightning_lazytrain.resume import STATE_KEY, ResumeState, fallback_for_last
+
+
+class WeightsOnlyResumeError(MisconfigurationException):
+    """``fit(ckpt_path=...)`` names a weights-only checkpoint, which cannot continue a run."""
+
+
+def refuse_weights_only_resume(checkpoint: Mapping[str, Any], path: str) -> None:
+    """Raise :class:`WeightsOnlyResumeError` for a checkpoint without optimizer states.
+
+    Lightning's ``ckpt_path`` restores the whole training state and fails later with a bare ``KeyError`` on such a
+    file. Refused, not loaded with a fresh optimizer: the file has no LR-scheduler state either, so its warmup
+    would restart at step ``global_step`` and Adam's moments at zero, a different run from the one resumed.
+    """
+    if "optimizer_states" in checkpoint:
+        return
+    target = os.path.realpath(path)
+    named = f"{path} (a link to {target})" if target != os.path.abspath(path) else path
+    raise WeightsOnlyResumeError(
+        f"{named} is a weights-only checkpoint (saved with ModelCheckpoint(save_weights_only=True)): it has no"
+        " optimizer or LR-scheduler state, so fit cannot resume from it. To resume, save full-state checkpoints"
+        " (save_weights_only: false) and pass one of those as ckpt_path; to evaluate these weights, use validate or"
+        " test with this ckpt_path; to train on from them as a new run, load them into the model"
+        " (LightningModule.load_from_checkpoint, or model.load_state_dict of its 'state_dict') and fit without"
+        " ckpt_path."
+    )
 
 
 class CheckpointingStrategy(ProcessGroupStrategy):
@@ -65,7 +93,11 @@ class CheckpointingStrategy(ProcessGroupStrategy):
                 checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
             except CorruptCheckpointError as err:
                 # fit(ckpt_path="last") resolved to a last*.ckpt that does not verify: take the newest one that does
-                checkpoint = super().load_checkpoint(fallback_for_last(str(checkpoint_path), err), weights_only)
+                checkpoint_path = fallback_for_last(str(checkpoint_path), err)
+                checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            refuse_weights_only_resume(checkpoint, str(checkpoint_path))
         self.resume.load(checkpoint.get(STATE_KEY))
         return checkpoint
 

@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 from resume_setup import assert_same_tree
+from test_cli_exit_status import lazytrain
 
 from lightning_lazytrain.sft.cli import main
 
@@ -21,11 +22,11 @@ def _plain_argv(monkeypatch):
     monkeypatch.setattr("sys.argv", ["lazytrain"])  # LightningCLI warns when pytest's argv is there too
 
 
-def _lazytrain(run_dir, crash_at=None, resume=False):
+def _args(run_dir, crash_at=None, steps=STEPS, weights_only=False):
     callbacks = [{
         "class_path": "lightning_lazytrain.sft.checkpointing.ResumableModelCheckpoint",
         "init_args": {"dirpath": str(run_dir / "checkpoints"), "every_n_train_steps": 2, "monitor": "step",
-                      "mode": "max", "save_top_k": 2, "save_last": "link"},
+                      "mode": "max", "save_top_k": 2, "save_last": "link", "save_weights_only": weights_only},
     }]
     if crash_at is not None:
         callbacks.append({"class_path": "resume_setup.CrashAt", "init_args": {"step": crash_at}})
@@ -33,10 +34,15 @@ def _lazytrain(run_dir, crash_at=None, resume=False):
             "--model.optimizer", "lightning_lazytrain.optim.HybridAdamW",
             "--model.optimizer_kwargs", json.dumps({"eight_bit_fraction": 0.5, "min_8bit_numel": 1024}),
             "--model.warmup_steps", "2", "--data.max_samples", "48", "--data.batch_size", "4",
-            "--data.val_fraction", "0.1", "--data.max_seq_length", "48", "--trainer.max_steps", str(STEPS),
+            "--data.val_fraction", "0.1", "--data.max_seq_length", "48", "--trainer.max_steps", str(steps),
             "--trainer.limit_val_batches", "0", "--trainer.log_every_n_steps", "1",
             "--trainer.enable_checkpointing", "true", "--trainer.enable_progress_bar", "false",
             "--trainer.logger.init_args.save_dir", str(run_dir / "logs"), "--trainer.callbacks", json.dumps(callbacks)]
+    return args
+
+
+def _lazytrain(run_dir, crash_at=None, resume=False):
+    args = _args(run_dir, crash_at)
     return main([*args, "--ckpt_path", "last"] if resume else args)
 
 
@@ -68,3 +74,18 @@ def test_cli_resume_from_last_matches_an_unbroken_run(tmp_path):
     resumed = _losses(resumed_csv)
     assert sorted(ref_losses) == list(range(STEPS)) and sorted(resumed) == list(range(2, STEPS))
     assert resumed == {s: ref_losses[s] for s in range(2, STEPS)}
+
+
+def test_fit_from_a_weights_only_checkpoint_is_refused_with_exit_2(tmp_path):
+    """Lightning's own answer is a KeyError from inside fit (exit 1, a traceback): the console script refuses it
+    as a usage error instead, naming the file behind last.ckpt and the setting that makes resumable saves."""
+    assert main(_args(tmp_path, steps=2, weights_only=True)) == 0
+    saved = tmp_path / "checkpoints" / "epoch=0-step=2.ckpt"
+    assert "optimizer_states" not in torch.load(saved, weights_only=True)
+    proc = lazytrain([*_args(tmp_path, weights_only=True), "--ckpt_path", "last"], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "KeyError" not in proc.stderr
+    last = proc.stderr.rstrip().splitlines()[-1]
+    assert last.startswith(f"lazytrain: error: {tmp_path / 'checkpoints' / 'last.ckpt'} (a link to {saved})"), last
+    assert "is a weights-only checkpoint" in last and "save_weights_only: false" in last
+    assert not (tmp_path / "checkpoints" / "epoch=0-step=4.ckpt").exists(), "refused before any training step"
