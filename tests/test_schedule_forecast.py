@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3_5TextConfig
 from lightning_lazytrain.engine import Schedule
 from lightning_lazytrain.models.adapter import adapter_for
 from lightning_lazytrain.schedule.analytic import ACHIEVED_FRACTION, analytic_profile, gpu_layout, scale_profile
-from lightning_lazytrain.schedule.forecast import Machine, RunSpec, admits, forecast, largest_batch
+from lightning_lazytrain.schedule.forecast import MAX_BATCH, Machine, RunSpec, admits, forecast, largest_batch
 from lightning_lazytrain.schedule.gpus import GPUS, gpu_spec, spec_for_device
 from lightning_lazytrain.schedule.profile import Profile
 from lightning_lazytrain.schedule.step_time import predict_step
@@ -277,15 +277,12 @@ def test_an_interval_plan_is_the_one_the_engine_would_run():
     engine = Schedule.every(28, 4, 2)
     assert f.schedule.tiers == engine.tiers and f.schedule.keep_graph == engine.keep_graph
     # re-forwards of the 3 inner layers of each 4-layer block, as the MILP would charge them
-    prof = _analytic(run)(16)
-    blocks = f.schedule.blocks()
+    prof, blocks = _analytic(run)(16), f.schedule.blocks()
     assert f.prediction.exposed_s == pytest.approx(sum(sum(prof.forward_seconds[s : e - 1]) for s, e in blocks))
     assert f.report.tiers["gpu"].pieces["weight slots"] == engine.slots_needed(2) * prof.param_bytes[0]
 
 
 def test_the_batch_search_stops_at_its_cap():
-    from lightning_lazytrain.schedule.forecast import MAX_BATCH
-
     run = _run(_meta(tiny_config("qwen2")), seq=8, schedule="interval:1")
     best = largest_batch(run, _machine(), _analytic(run))
     assert best.batch == MAX_BATCH and best.fits_gpu and admits(run, _machine(), MAX_BATCH + 1)
