@@ -40,7 +40,9 @@ def free_bytes(path: str) -> int:
 def checkpoint_tier(
     num_params: int, precision: str, optimizer_state_bytes_per_param: float, kept: int, free_bytes: int
 ) -> TierUsage:
-    """``kept`` checkpoints on disk, and one more while the next is being saved."""
+    """``kept`` checkpoints on disk, and one more while the next is being saved (weights-only ones when
+    ``optimizer_state_bytes_per_param`` is 0)."""
     one = checkpoint_bytes(num_params, precision, optimizer_state_bytes_per_param)
-    piece = f"{kept + 1} full-state checkpoints ({kept} kept, 1 being saved)"
+    kind = "full-state" if optimizer_state_bytes_per_param else "weights-only"
+    piece = f"{kept + 1} {kind} checkpoints ({kept} kept, 1 being saved)"
     return TierUsage("checkpoint disk", int(free_bytes), {piece: (kept + 1) * one})

@@ -64,6 +64,7 @@ class RunSpec:
     solver_time_limit: float = 10.0
     solver_mip_gap: float = 0.01
     checkpoints_kept: int = 0  # full-state checkpoints the run keeps on disk (Lightning's default callback: 1)
+    checkpoints_weights_only: bool = False  # those checkpoints hold the masters only (save_weights_only)
 
     @property
     def stream_dtype(self) -> torch.dtype:
@@ -247,7 +248,7 @@ def forecast(run: RunSpec, machine: Machine, batch: int, profile_for: Callable[[
         ),
     )
     if run.checkpoints_kept:
-        state = run.optimizer_state_bytes_per_param
+        state = 0.0 if run.checkpoints_weights_only else run.optimizer_state_bytes_per_param
         report.tiers["checkpoint"] = checkpoint_tier(
             run.trainable_params, run.precision, state, run.checkpoints_kept, machine.checkpoint_free_bytes
         )

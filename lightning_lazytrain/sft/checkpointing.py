@@ -64,14 +64,22 @@ class ResumableModelCheckpoint(ModelCheckpoint):
         if self.save_top_k != 0 or self.save_last:
             self.check_disk(trainer, pl_module)
 
+    def state_bytes_per_param(self, trainer: pl.Trainer, num_params: int) -> float:
+        """Optimizer state bytes per parameter one save holds: none under ``save_weights_only``."""
+        if self.save_weights_only:
+            return 0.0
+        made = optimizer_state_bytes(trainer.optimizers)
+        return made / num_params if made else UNMADE_STATE_BYTES_PER_PARAM
+
+    def checkpoint_size(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
+        """Estimated bytes of one checkpoint this callback saves (what :meth:`check_disk` multiplies)."""
+        num_params = sum(p.numel() for p in pl_module.parameters())
+        return checkpoint_bytes(num_params, str(trainer.precision), self.state_bytes_per_param(trainer, num_params))
+
     def check_disk(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Raise :class:`CheckpointDiskError` when the checkpoints this run keeps exceed the free disk."""
         num_params = sum(p.numel() for p in pl_module.parameters())
-        if self.save_weights_only:
-            state = 0.0
-        else:
-            made = optimizer_state_bytes(trainer.optimizers)
-            state = made / num_params if made else UNMADE_STATE_BYTES_PER_PARAM
+        state = self.state_bytes_per_param(trainer, num_params)
         precision = str(trainer.precision)
         saves = self._saves(trainer)
         if saves is None:

@@ -113,6 +113,13 @@ def _checkpoints_kept(trainer: dict) -> int:
     return 0 if trainer.get("enable_checkpointing") is False else 1
 
 
+def _weights_only(trainer: dict) -> bool:
+    """Whether the run's checkpoints hold the masters only: every ModelCheckpoint has save_weights_only (Lightning's
+    default callback saves full state; mixed callbacks are all sized as full state, the larger)."""
+    callbacks = _model_checkpoints(trainer)
+    return bool(callbacks) and all(args.get("save_weights_only") is True for args in callbacks)
+
+
 def _checkpoint_dir(trainer: dict) -> str:
     """Where the run's checkpoints go: a ModelCheckpoint's dirpath, else the logger's save_dir, else the root dir."""
     for args in _model_checkpoints(trainer):
@@ -181,6 +188,7 @@ def _plan(cli: PlanCLI) -> dict:
         "world_size",
         "ranks_per_host",
         "checkpoints_kept",
+        "checkpoints_weights_only",
     }
     run = RunSpec(
         adapter,
@@ -191,6 +199,7 @@ def _plan(cli: PlanCLI) -> dict:
         world,
         min(world, _devices(trainer)),
         checkpoints_kept=_checkpoints_kept(trainer),
+        checkpoints_weights_only=_weights_only(trainer),
         **{k: v for k, v in strategy.items() if k in known},
     )
     try:
