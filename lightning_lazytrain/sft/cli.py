@@ -102,6 +102,7 @@ class LazyTrainCLI(LightningCLI):
             check_settings(cfg.get("data") or {}, check_path=True)
         except DataSettingError as exc:  # name the key as the config spells it
             raise DataSettingError(f"data.{exc.field}", exc.problem, exc.fix) from None
+        _check_logger_installed((cfg.get("trainer") or {}).get("logger"))
         try:
             export_dtype(cfg.get("export_dtype"))
         except ValueError as exc:
@@ -131,6 +132,18 @@ class LazyTrainCLI(LightningCLI):
         if config.get("export_dir") and self.trainer.is_global_zero:
             export_hf(self.model.model, config["export_dir"], tokenizer=self.model.tokenizer,
                       dtype=config.get("export_dtype"))
+
+
+def _check_logger_installed(logger: object) -> None:
+    """A TensorBoardLogger without ``tensorboard`` (or ``tensorboardX``) installed: one line naming the extra,
+    instead of the parser's every-Union-member account of why it cannot build the logger."""
+    from lightning.fabric.loggers.tensorboard import _TENSORBOARD_AVAILABLE, _TENSORBOARDX_AVAILABLE
+
+    loggers = logger if isinstance(logger, list) else [logger]
+    names = [str(lg.get("class_path", "")) for lg in loggers if hasattr(lg, "get")]
+    if any(n.endswith("TensorBoardLogger") for n in names) and not (_TENSORBOARD_AVAILABLE or _TENSORBOARDX_AVAILABLE):
+        raise ConfigError("trainer.logger is a TensorBoardLogger, which needs the tensorboard package: pip install"
+                          " 'lightning-lazytrain[tensorboard]' (or tensorboard / tensorboardX), or keep the CSVLogger")
 
 
 def _with_default_config(args: list[str]) -> list[str]:
