@@ -1,0 +1,136 @@
+"""P6 of issue 16: the largest placement MILP the planner builds today, for a 64-layer shape, solved on 2 cores.
+
+Run (pin it to two cores, as the target says):
+``taskset -c 0,1 python benchmarks/milp_solve_2core.py [--out benchmarks/results/milp_solve_2core.json]``
+
+The problem is what ``planner.solve_plan`` builds on the CPU, for the Qwen3.6-27B shape (``NAMED_SHAPES``) built
+on the meta device: `analytic_profile` for the H200 (times from FLOPs, the published link figures) with the
+per-layer graph and working-set bytes of `analytic_layer_memory` (what `profile_model` gives off CUDA), every
+option that enlarges it on: per-layer kept graphs (one binary per layer), the device total with slots and each
+block's working set, ``max_recompute_span=4`` (the strategy's default), and both transfer models (the paper's
+aggregated windows, the default; ``engine_windows=True``, the engine's rules). The update-placement MILP
+(`milp_updates.py`, one binary per streamed unit) is solved for the same shape and timed on its own: it shares no
+variable with the placement. HiGHS gets ``threads=2``, a 1% gap and the planner's 10 s limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from lightning_lazytrain.models.adapter import adapter_for  # noqa: E402
+from lightning_lazytrain.schedule import build_problem, solve  # noqa: E402
+from lightning_lazytrain.schedule.analytic import analytic_profile, gpu_layout  # noqa: E402
+from lightning_lazytrain.schedule.gpus import gpu_spec  # noqa: E402
+from lightning_lazytrain.schedule.layer_memory import analytic_layer_memory  # noqa: E402
+from lightning_lazytrain.schedule.milp_updates import UpdateProblem, solve_updates  # noqa: E402
+from lightning_lazytrain.sft.plan_model import _named, meta_model  # noqa: E402
+from lightning_lazytrain.units import GIB  # noqa: E402
+
+SHAPE, SEQ = "qwen3.6-27b", 1024
+# (batch, GPU memory cap in GiB, CPU and NVMe activation budgets in GiB): tight caps force mixes of homes,
+# recompute and kept graphs; the 80 GiB one leaves room for many kept graphs (a 64-item knapsack).
+CASES = {"b16-cap24": (16, 24.0, 16.0, 32.0), "b16-cap48": (16, 48.0, 16.0, 32.0),
+         "b32-cap80": (32, 80.0, 32.0, 64.0), "b72-cap80": (72, 80.0, 15.0, 32.0)}
+CPU_UPDATE_PARAMS_PER_S = 4.0e9  # HybridAdamW on the 16-core H200 host (optim_cpu_16core.json)
+
+
+def problem_for(adapter, batch: int, cap_gib: float, cpu_gib: float, nvme_gib: float):
+    """The planner's problem on a GPU of ``cap_gib`` (less the resident embeddings/head and a 5% margin)."""
+    profile = analytic_profile(adapter, batch, SEQ, gpu_spec("h200"))
+    config, tokens = adapter.model.config, batch * SEQ
+    types = adapter.layer_types()
+    memory = [analytic_layer_memory(config, types[j], tokens, 2, profile.param_bytes[j])
+              for j in range(adapter.num_layers)]
+    profile.graph_bytes, profile.working_bytes = [g for g, _ in memory], [w for _, w in memory]
+    layout = gpu_layout(adapter, batch, SEQ)
+    total = int(0.95 * (cap_gib * GIB - layout.resident_bytes))
+    head = 3 * (1 << 29) + 2 * profile.activation_bytes[-1]  # planner.solve_plan's head working set
+    return build_problem(profile, total, int(cpu_gib * GIB), int(nvme_gib * GIB), max_recompute_span=4,
+                         gpu_total_bytes=total, slot_bytes=layout.slot_bytes, fixed_slots=2,
+                         head_working_bytes=head)
+
+
+def update_problem(adapter, batch: int) -> UpdateProblem:
+    """The update split for the 64 layers: HybridAdamW's fp32 master + 2 states in, + the bf16 copy out."""
+    profile = analytic_profile(adapter, batch, SEQ, gpu_spec("h200"))
+    numel = [b // 2 for b in profile.param_bytes]
+    half = profile.duplex_bytes_per_s / 2
+    return UpdateProblem(cpu_seconds=[k / CPU_UPDATE_PARAMS_PER_S for k in numel],
+                         device_seconds=[max(12 * k / min(profile.h2d_bytes_per_s, half),
+                                             14 * k / min(profile.d2h_bytes_per_s, half)) for k in numel],
+                         forward_seconds=list(profile.forward_seconds))
+
+
+def _machine() -> dict:
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor())
+    return {"cpu_model": model, "cores_in_machine": os.cpu_count(), "cores_used": len(os.sched_getaffinity(0)),
+            "python": platform.python_version(),
+            "note": "the 2 cores are shared with other sessions' processes: times are upper estimates"}
+
+
+def _commit() -> str:
+    root = Path(__file__).resolve().parents[1]
+    head = subprocess.check_output(["git", "-C", str(root), "rev-parse", "HEAD"], text=True).strip()
+    dirty = subprocess.check_output(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                    text=True).strip()
+    return head + ("-dirty" if dirty else "")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--time-limit", type=float, default=10.0)
+    ap.add_argument("--gap", type=float, default=0.01)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "milp_solve_2core.json"))
+    args = ap.parse_args()
+    adapter = adapter_for(meta_model(_named(SHAPE)))
+    results = {}
+    for name, (batch, cap, cpu, nvme) in CASES.items():
+        prob = problem_for(adapter, batch, cap, cpu, nvme)
+        for engine in (False, True):
+            key = f"{name}-{'engine' if engine else 'paper'}-windows"
+            t0 = time.perf_counter()
+            s = solve(prob, time_limit=args.time_limit, mip_gap=args.gap, threads=args.threads,
+                      engine_windows=engine)
+            wall = time.perf_counter() - t0
+            results[key] = {"batch": batch, "gpu_cap_gib": cap, "gpu_total_gib": prob.gpu_total_bytes / GIB,
+                            "cpu_gib": cpu, "nvme_gib": nvme, "engine_windows": engine, "layers": prob.num_layers,
+                            "binaries": s.info["num_binaries"], "solve_seconds": round(wall, 3),
+                            "build_seconds": s.info["build_seconds"], "status": s.status, "gap": s.info["mip_gap"],
+                            "objective": s.objective, "predicted_exposed_seconds": s.predicted_exposed_seconds,
+                            "counts": s.counts(), "kept_graphs": sum(s.keep_graph)}
+            print(f"{key}: {wall:.2f} s {s.status} gap {s.info['mip_gap']:.4f} binaries {s.info['num_binaries']}"
+                  f" counts {s.counts()} kept {sum(s.keep_graph)}", flush=True)
+        up = update_problem(adapter, batch)
+        t0 = time.perf_counter()
+        split = solve_updates(up, time_limit=args.time_limit, mip_gap=args.gap, threads=args.threads)
+        wall = time.perf_counter() - t0
+        results[f"{name}-update-placement"] = {
+            "batch": batch, "units": len(up.cpu_seconds), "solve_seconds": round(wall, 3), "status": split.status,
+            "gap": split.gap, "wait_seconds": split.wait_seconds, "device_units": sum(split.on_device),
+            "cpu_update_params_per_s": CPU_UPDATE_PARAMS_PER_S}
+        print(f"{name}-update-placement: {wall:.2f} s {split.status} gap {split.gap:.4f} wait "
+              f"{split.wait_seconds:.3f} s, {sum(split.on_device)} units on the device", flush=True)
+    doc = {"command": "taskset -c " + ",".join(map(str, sorted(os.sched_getaffinity(0)))) + " python "
+           + " ".join(sys.argv), "commit": _commit(), "machine": _machine(), "shape": SHAPE, "seq": SEQ,
+           "time_limit": args.time_limit, "mip_gap": args.gap, "threads": args.threads,
+           "torch": torch.__version__, "results": results}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
