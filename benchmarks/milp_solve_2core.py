@@ -7,7 +7,7 @@ The problem is what ``planner.solve_plan`` builds on the CPU, for the Qwen3.6-27
 on the meta device: `analytic_profile` for the H200 (times from FLOPs, the published link figures) with the
 per-layer graph and working-set bytes of `analytic_layer_memory` (what `profile_model` gives off CUDA), every
 option that enlarges it on: per-layer kept graphs (one binary per layer), the device total with slots and each
-block's working set, ``max_recompute_span=4`` (the strategy's default), and both transfer models (the paper's
+block's working set, ``max_recompute_span`` 4 (the strategy's default) and 8, and both transfer models (the paper's
 aggregated windows, the default; ``engine_windows=True``, the engine's rules). The update-placement MILP
 (`milp_updates.py`, one binary per streamed unit) is solved for the same shape and timed on its own: it shares no
 variable with the placement. HiGHS gets ``threads=2``, a 1% gap and the planner's 10 s limit.
@@ -38,14 +38,18 @@ from lightning_lazytrain.sft.plan_model import _named, meta_model  # noqa: E402
 from lightning_lazytrain.units import GIB  # noqa: E402
 
 SHAPE, SEQ = "qwen3.6-27b", 1024
-# (batch, GPU memory cap in GiB, CPU and NVMe activation budgets in GiB): tight caps force mixes of homes,
-# recompute and kept graphs; the 80 GiB one leaves room for many kept graphs (a 64-item knapsack).
-CASES = {"b16-cap24": (16, 24.0, 16.0, 32.0), "b16-cap48": (16, 48.0, 16.0, 32.0),
-         "b32-cap80": (32, 80.0, 32.0, 64.0), "b72-cap80": (72, 80.0, 15.0, 32.0)}
+# (batch, GPU memory cap in GiB, CPU and NVMe activation budgets in GiB, max_recompute_span): small caps force
+# mixes of homes and kept graphs, the larger ones leave room for many kept graphs (a 64-item knapsack), small host
+# budgets force recompute (the hard case of milp_solve.py), span 8 doubles the edges; the resident embeddings and
+# head of this shape take 15.2 GiB of each cap.
+CASES = {"b16-cap40": (16, 40.0, 16.0, 32.0, 4), "b16-cap64": (16, 64.0, 16.0, 32.0, 4),
+         "b32-cap80": (32, 80.0, 32.0, 64.0, 4), "b48-cap141": (48, 141.0, 32.0, 64.0, 4),
+         "b16-cap40-host2": (16, 40.0, 2.0, 1.0, 4), "b32-cap80-host4": (32, 80.0, 4.0, 2.0, 4),
+         "b16-cap40-host2-span8": (16, 40.0, 2.0, 1.0, 8)}
 CPU_UPDATE_PARAMS_PER_S = 4.0e9  # HybridAdamW on the 16-core H200 host (optim_cpu_16core.json)
 
 
-def problem_for(adapter, batch: int, cap_gib: float, cpu_gib: float, nvme_gib: float):
+def problem_for(adapter, batch: int, cap_gib: float, cpu_gib: float, nvme_gib: float, span: int):
     """The planner's problem on a GPU of ``cap_gib`` (less the resident embeddings/head and a 5% margin)."""
     profile = analytic_profile(adapter, batch, SEQ, gpu_spec("h200"))
     config, tokens = adapter.model.config, batch * SEQ
@@ -56,7 +60,7 @@ def problem_for(adapter, batch: int, cap_gib: float, cpu_gib: float, nvme_gib: f
     layout = gpu_layout(adapter, batch, SEQ)
     total = int(0.95 * (cap_gib * GIB - layout.resident_bytes))
     head = 3 * (1 << 29) + 2 * profile.activation_bytes[-1]  # planner.solve_plan's head working set
-    return build_problem(profile, total, int(cpu_gib * GIB), int(nvme_gib * GIB), max_recompute_span=4,
+    return build_problem(profile, total, int(cpu_gib * GIB), int(nvme_gib * GIB), max_recompute_span=span,
                          gpu_total_bytes=total, slot_bytes=layout.slot_bytes, fixed_slots=2,
                          head_working_bytes=head)
 
@@ -97,8 +101,8 @@ def main() -> None:
     args = ap.parse_args()
     adapter = adapter_for(meta_model(_named(SHAPE)))
     results = {}
-    for name, (batch, cap, cpu, nvme) in CASES.items():
-        prob = problem_for(adapter, batch, cap, cpu, nvme)
+    for name, (batch, cap, cpu, nvme, span) in CASES.items():
+        prob = problem_for(adapter, batch, cap, cpu, nvme, span)
         for engine in (False, True):
             key = f"{name}-{'engine' if engine else 'paper'}-windows"
             t0 = time.perf_counter()
@@ -106,22 +110,25 @@ def main() -> None:
                       engine_windows=engine)
             wall = time.perf_counter() - t0
             results[key] = {"batch": batch, "gpu_cap_gib": cap, "gpu_total_gib": prob.gpu_total_bytes / GIB,
-                            "cpu_gib": cpu, "nvme_gib": nvme, "engine_windows": engine, "layers": prob.num_layers,
+                            "cpu_gib": cpu, "nvme_gib": nvme, "max_recompute_span": span,
+                            "engine_windows": engine, "layers": prob.num_layers,
                             "binaries": s.info["num_binaries"], "solve_seconds": round(wall, 3),
                             "build_seconds": s.info["build_seconds"], "status": s.status, "gap": s.info["mip_gap"],
                             "objective": s.objective, "predicted_exposed_seconds": s.predicted_exposed_seconds,
                             "counts": s.counts(), "kept_graphs": sum(s.keep_graph)}
             print(f"{key}: {wall:.2f} s {s.status} gap {s.info['mip_gap']:.4f} binaries {s.info['num_binaries']}"
                   f" counts {s.counts()} kept {sum(s.keep_graph)}", flush=True)
+        if f"b{batch}-update-placement" in results:
+            continue
         up = update_problem(adapter, batch)
         t0 = time.perf_counter()
         split = solve_updates(up, time_limit=args.time_limit, mip_gap=args.gap, threads=args.threads)
         wall = time.perf_counter() - t0
-        results[f"{name}-update-placement"] = {
+        results[f"b{batch}-update-placement"] = {
             "batch": batch, "units": len(up.cpu_seconds), "solve_seconds": round(wall, 3), "status": split.status,
             "gap": split.gap, "wait_seconds": split.wait_seconds, "device_units": sum(split.on_device),
             "cpu_update_params_per_s": CPU_UPDATE_PARAMS_PER_S}
-        print(f"{name}-update-placement: {wall:.2f} s {split.status} gap {split.gap:.4f} wait "
+        print(f"b{batch}-update-placement: {wall:.2f} s {split.status} gap {split.gap:.4f} wait "
               f"{split.wait_seconds:.3f} s, {sum(split.on_device)} units on the device", flush=True)
     doc = {"command": "taskset -c " + ",".join(map(str, sorted(os.sched_getaffinity(0)))) + " python "
            + " ".join(sys.argv), "commit": _commit(), "machine": _machine(), "shape": SHAPE, "seq": SEQ,

@@ -162,7 +162,7 @@ class ProcessGroupStrategy(ParallelStrategy):
         return defer_state_allocation() if self.distributed else contextlib.nullcontext()
 
     def update_path(self, training: bool, optimizer: torch.optim.Optimizer | None, engine_can_update: bool,
-                    device_update_share: float | None) -> UpdatePath:
+                    device_update_share: float | str | None) -> UpdatePath:
         """The run's gradient/update path: for training, sharded with several processes (the only way they train),
         else the engine's per-unit updates when the optimizer and loop allow them, else host gradients for
         Lightning's optimizer step; evaluation runs no backward and gets the host path."""

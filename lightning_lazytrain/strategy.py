@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -56,7 +56,9 @@ class LazyTrainStrategy(CheckpointingStrategy):
         device_update_share: with overlapped updates on CUDA, the share of parameters whose update runs on the GPU
             at the same time as the CPU's (their gradients stay on the device; masters and states are copied in
             and out). ``0.0`` (default): all on the CPU, which measured faster on the H200 (docs/benchmarks.md);
-            ``None``: a share chosen from the CPU update rate and the link bandwidth measured at setup. Other
+            ``None``: a share chosen from the CPU update rate and the link bandwidth measured at setup (greedy);
+            ``"plan"``: per unit, the split of the update-placement MILP from the same rates (``milp_updates.py``,
+            the least wait of the next forward). Other
             values force that share, also on the CPU accelerator (where the "device" path is the torch reference
             update on copies: a test of the control flow).
         timeout_s: longest wait for any transfer before an error names it.
@@ -93,7 +95,7 @@ class LazyTrainStrategy(CheckpointingStrategy):
         prefetch_depth: int = 2,
         pin_memory: bool | None = None,
         overlap_updates: bool = True,
-        device_update_share: float | None = 0.0,
+        device_update_share: float | Literal["plan"] | None = 0.0,
         timeout_s: float = 600.0,
         gpu_activation_gib: float | None = None,
         cpu_activation_gib: float | None = None,
@@ -118,8 +120,12 @@ class LazyTrainStrategy(CheckpointingStrategy):
         self.timeout_s = timeout_s
         self.force_distributed = force_distributed
         self.overlap_updates = overlap_updates
-        if device_update_share is not None and not 0.0 <= device_update_share <= 1.0:
-            raise ValueError(f"device_update_share must be in [0, 1] or None (automatic), got {device_update_share}")
+        if isinstance(device_update_share, str) and device_update_share != "plan":
+            raise ValueError(f"device_update_share must be in [0, 1], 'plan' (the MILP's split) or None (automatic), "
+                             f"got {device_update_share!r}")
+        if isinstance(device_update_share, (int, float)) and not 0.0 <= device_update_share <= 1.0:
+            raise ValueError(f"device_update_share must be in [0, 1], 'plan' (the MILP's split) or None (automatic), "
+                             f"got {device_update_share}")
         self.device_update_share = device_update_share
         if generation not in GENERATION_MODES:
             raise ValueError(f"generation must be one of {GENERATION_MODES}, got {generation!r}")

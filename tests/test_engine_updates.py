@@ -186,3 +186,34 @@ def test_split_units_balances_finish_times_in_forward_order():
     assert sum(split_units(units, 100.0, 800.0 / 3, 800.0 / 3)) == 2
     assert split_by_share(units, 0.0) == [False] * 8 and split_by_share(units, 1.0) == [True] * 8
     assert sum(split_by_share(units, 0.25)) == 2
+
+
+def test_plan_share_uses_the_milp_split(monkeypatch):
+    """``device_update_share="plan"``: the device worker gets exactly the units of the MILP's split (a CPU rate,
+    fixed here near the link's rate, puts some there, not all), and the numbers stay those of a plain run."""
+    from lightning_lazytrain.engine.updates import device, paths
+    from lightning_lazytrain.schedule import milp_updates
+
+    seen, solve, assign = {}, milp_updates.solve_updates, paths.assign_device_updates
+
+    def solve_spy(problem, **kw):
+        seen["problem"], seen["split"] = problem, solve(problem, **kw)
+        return seen["split"]
+
+    def assign_spy(*args):
+        seen["flags"], reserve = assign(*args)
+        return seen["flags"], reserve
+
+    monkeypatch.setattr(device, "measure_cpu_update_rate", lambda optimizer: 5e9)  # params/s, H200 link: 55 GB/s
+    monkeypatch.setattr(milp_updates, "solve_updates", solve_spy)
+    monkeypatch.setattr(paths, "assign_device_updates", assign_spy)
+    model, data = tiny_model("qwen2"), batches(3)
+    ref, _ = fit(HybridModule(copy.deepcopy(model)), data, gradient_clip_val=0.05)
+    strategy, busy = LazyTrainStrategy(device_update_share="plan"), BusySeconds()
+    lt, _ = fit(HybridModule(copy.deepcopy(model)), data, strategy, gradient_clip_val=0.05, callbacks=[busy])
+    want = seen["split"].on_device
+    assert 0 < sum(want) < len(want)
+    assert seen["flags"] == want
+    assert seen["split"].wait_seconds < milp_updates.forward_wait(seen["problem"], [False] * len(want))
+    assert busy.device > 0 and busy.cpu > 0
+    assert rel_diff(lt.model, ref.model) <= 1e-5

@@ -132,7 +132,7 @@ def test_demo_loss_falls(capsys):
     assert "lazytrain demo: loss" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("share", [-0.1, 1.5])
+@pytest.mark.parametrize("share", [-0.1, 1.5, "auto"])
 def test_device_update_share_out_of_range_names_the_range(share):
-    with pytest.raises(ValueError, match=r"device_update_share must be in \[0, 1\] or None"):
+    with pytest.raises(ValueError, match=r"device_update_share must be in \[0, 1\], 'plan' \(the MILP's split\) or None"):
         LazyTrainStrategy(device_update_share=share)

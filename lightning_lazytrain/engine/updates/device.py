@@ -12,6 +12,11 @@ that would finish it first, from the CPU update rate (timed on a scratch tensor 
 device path moves ``master + states`` bytes in and ``master + states + stream copy`` bytes out per parameter; the
 GPU arithmetic itself is negligible beside that). The next forward's weight copies share the H2D link; that is
 not modelled, so the split leans slightly towards the device.
+
+``share="plan"``: the split of the update-placement MILP (``schedule/milp_updates.py``), which also counts that
+the next forward reaches unit u only after units 0..u-1 have run, so late units may finish later. Each unit's
+forward is taken as its weight copy (stream bytes / H2D rate): a lower estimate, known before any batch is seen.
+Off CUDA the link is the H200's published figures (a test of the control flow, as a fixed share is there).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -96,12 +102,28 @@ def measure_cpu_update_rate(optimizer: torch.optim.Optimizer, numel: int = 1 << 
     return numel / best
 
 
-def assign_device_updates(units: list[ParamUnit], optimizer: torch.optim.Optimizer, share: float | None,
-                          device: torch.device, stream_itemsize: int) -> tuple[list[bool], int]:
-    """Which units' update runs on ``device`` (``share`` of the parameters, or ``None``: by the timing split on
-    CUDA, none elsewhere), and the device bytes that holds beside the plan's activations."""
+def update_problem(traffic: list[UnitTraffic], cpu_params_per_s: float, h2d_bytes_per_s: float,
+                   d2h_bytes_per_s: float):
+    """The MILP's inputs for ``traffic`` (forward order): CPU seconds from the update rate, device seconds from the
+    link (as ``split_units``), each unit's next forward as its weight copy (``grad_bytes``: stream-dtype bytes)."""
+    from lightning_lazytrain.schedule.milp_updates import UpdateProblem
+
+    return UpdateProblem(
+        cpu_seconds=[t.numel / cpu_params_per_s for t in traffic],
+        device_seconds=[max(t.h2d_bytes / h2d_bytes_per_s, t.d2h_bytes / d2h_bytes_per_s) for t in traffic],
+        forward_seconds=[t.grad_bytes / h2d_bytes_per_s for t in traffic],
+    )
+
+
+def assign_device_updates(units: list[ParamUnit], optimizer: torch.optim.Optimizer,
+                          share: float | Literal["plan"] | None, device: torch.device,
+                          stream_itemsize: int) -> tuple[list[bool], int]:
+    """Which units' update runs on ``device`` (``share`` of the parameters; ``"plan"``: the MILP's split; ``None``:
+    the timing split on CUDA, none elsewhere), and the device bytes that holds beside the plan's activations."""
     traffic = [unit_traffic(u, optimizer, stream_itemsize) for u in units]
-    if share is not None:
+    if share == "plan":
+        flags = _planned_split(optimizer, traffic, device)
+    elif share is not None:
         flags = split_by_share(traffic, share)
     elif device.type == "cuda":
         flags = _timed_split(optimizer, traffic, device)
@@ -112,17 +134,43 @@ def assign_device_updates(units: list[ParamUnit], optimizer: torch.optim.Optimiz
     return flags, sum(t.grad_bytes for t in on_device) + 2 * max((t.h2d_bytes for t in on_device), default=0)
 
 
+def _link(device: torch.device) -> tuple[float, float]:
+    """(H2D, D2H) bytes/s with both directions busy: measured on CUDA, the H200's figures elsewhere."""
+    if device.type == "cuda":
+        from lightning_lazytrain.engine.link import measure_link_cuda
+
+        h2d, d2h, duplex = measure_link_cuda(device)
+    else:
+        from lightning_lazytrain.schedule.profile import H200_D2H, H200_DUPLEX, H200_H2D
+
+        h2d, d2h, duplex = H200_H2D, H200_D2H, H200_DUPLEX
+    return min(h2d, duplex / 2), min(d2h, duplex / 2)  # both directions run at once
+
+
+def _log_split(how: str, traffic: list[UnitTraffic], flags: list[bool], cpu_rate: float, h2d: float,
+               d2h: float) -> None:
+    share = sum(t.numel for t, f in zip(traffic, flags, strict=True) if f) / max(1, sum(t.numel for t in traffic))
+    log.info("lazytrain: CPU update %.2f G params/s, link %.1f / %.1f GB/s -> %s: %.0f%% of the parameters updated"
+             " on the GPU", cpu_rate / 1e9, h2d / 1e9, d2h / 1e9, how, 100 * share)
+
+
 def _timed_split(optimizer: torch.optim.Optimizer, traffic: list[UnitTraffic], device: torch.device) -> list[bool]:
-    from lightning_lazytrain.engine.link import measure_link_cuda
+    cpu_rate = measure_cpu_update_rate(optimizer)
+    h2d, d2h = _link(device)
+    flags = split_units(traffic, cpu_rate, h2d, d2h)
+    _log_split("greedy split", traffic, flags, cpu_rate, h2d, d2h)
+    return flags
+
+
+def _planned_split(optimizer: torch.optim.Optimizer, traffic: list[UnitTraffic], device: torch.device) -> list[bool]:
+    from lightning_lazytrain.schedule.milp_updates import solve_updates
 
     cpu_rate = measure_cpu_update_rate(optimizer)
-    h2d, d2h, duplex = measure_link_cuda(device)
-    h2d, d2h = min(h2d, duplex / 2), min(d2h, duplex / 2)  # both directions run at once
-    flags = split_units(traffic, cpu_rate, h2d, d2h)
-    share = sum(t.numel for t, f in zip(traffic, flags, strict=True) if f) / max(1, sum(t.numel for t in traffic))
-    log.info("lazytrain: CPU update %.2f G params/s, link %.1f / %.1f GB/s -> %.0f%% of the parameters updated on"
-             " the GPU", cpu_rate / 1e9, h2d / 1e9, d2h / 1e9, 100 * share)
-    return flags
+    h2d, d2h = _link(device)
+    split = solve_updates(update_problem(traffic, cpu_rate, h2d, d2h))
+    _log_split(f"MILP split ({split.status}, forward wait {split.wait_seconds:.3f} s)", traffic, split.on_device,
+               cpu_rate, h2d, d2h)
+    return split.on_device
 
 
 class DeviceUpdatePath:

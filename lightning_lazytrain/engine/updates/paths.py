@@ -91,7 +91,7 @@ def host_path(store: HostParamStore, queues: DeviceQueues, staging_numel: int, t
 
 
 def direct_path(store: HostParamStore, queues: DeviceQueues, optimizer: torch.optim.Optimizer,
-                device_update_share: float | None, timeout_s: float) -> UpdatePath:
+                device_update_share: float | str | None, timeout_s: float) -> UpdatePath:
     """The engine runs ``optimizer.step_params`` per unit from bf16 host gradients, off the main thread.
 
     ``device_update_share``: the share of parameters whose update runs on the GPU beside the CPU's
