@@ -57,10 +57,9 @@ class LazyTrainStrategy(CheckpointingStrategy):
             at the same time as the CPU's (their gradients stay on the device; masters and states are copied in
             and out). ``0.0`` (default): all on the CPU, which measured faster on the H200 (docs/benchmarks.md);
             ``None``: a share chosen from the CPU update rate and the link bandwidth measured at setup (greedy);
-            ``"plan"``: per unit, the split of the update-placement MILP from the same rates (``milp_updates.py``,
-            the least wait of the next forward). Other
-            values force that share, also on the CPU accelerator (where the "device" path is the torch reference
-            update on copies: a test of the control flow).
+            ``"plan"``: per unit, the update-placement MILP's split from the same rates (``milp_updates.py``, the
+            least wait of the next forward). Other values force that share, also on the CPU accelerator (where the
+            "device" path is the torch reference update on copies: a test of the control flow).
         timeout_s: longest wait for any transfer before an error names it.
         gpu_activation_gib / cpu_activation_gib / nvme_activation_gib: activation budgets for the MILP (default:
             half the free GPU memory, a quarter of the available host RAM, 80% of the spill dir's free space).
@@ -120,12 +119,10 @@ class LazyTrainStrategy(CheckpointingStrategy):
         self.timeout_s = timeout_s
         self.force_distributed = force_distributed
         self.overlap_updates = overlap_updates
-        if isinstance(device_update_share, str) and device_update_share != "plan":
+        share = device_update_share
+        if not (share is None or share == "plan" or (isinstance(share, (int, float)) and 0.0 <= share <= 1.0)):
             raise ValueError(f"device_update_share must be in [0, 1], 'plan' (the MILP's split) or None (automatic), "
-                             f"got {device_update_share!r}")
-        if isinstance(device_update_share, (int, float)) and not 0.0 <= device_update_share <= 1.0:
-            raise ValueError(f"device_update_share must be in [0, 1], 'plan' (the MILP's split) or None (automatic), "
-                             f"got {device_update_share}")
+                             f"got {share!r}")
         self.device_update_share = device_update_share
         if generation not in GENERATION_MODES:
             raise ValueError(f"generation must be one of {GENERATION_MODES}, got {generation!r}")
