@@ -24,9 +24,9 @@ log = logging.getLogger(__name__)
 RUNGS = ("smaller GPU budget", "more recompute", "CPU/NVMe homes")
 
 
-def _rung_plan(tiers: list[str], keep_graph: list[bool], rung: str) -> Schedule:
+def _rung_plan(tiers: list[str], keep_graph: list[bool], rung: str, mlp_recompute: list[bool] | None = None) -> Schedule:
     # No recompute span: a rung may lengthen blocks past the one the plan was solved under, and that is the point.
-    return Schedule(tiers, status=f"oom rung: {rung}", keep_graph=keep_graph)
+    return Schedule(tiers, status=f"oom rung: {rung}", keep_graph=keep_graph, mlp_recompute=mlp_recompute)
 
 
 def drop_graphs(plan: Schedule) -> Schedule:
@@ -45,7 +45,7 @@ def host_homes(plan: Schedule, spill_dir: str | None) -> Schedule:
     on_gpu = [i for i, h in enumerate(homes[1:-1], start=1) if h == "gpu" and not _graph_input(plan, i)]
     for k, i in enumerate(on_gpu):
         homes[i] = "nvme" if spill_dir is not None and k % 2 else "cpu"
-    return _rung_plan(homes, plan.keep_graph, RUNGS[2])
+    return _rung_plan(homes, plan.keep_graph, RUNGS[2], plan.mlp_recompute)
 
 
 def _graph_input(plan: Schedule, i: int) -> bool:

@@ -3,7 +3,8 @@
 Boundary ``i`` is the input of layer ``i`` (boundary ``L`` is the stack's output). Between two consecutive kept
 boundaries ``s < e`` lies one backward block: its layers are loaded once, layers ``s..e-2`` re-run without grad
 to rebuild their inputs, then each layer runs with grad and back-propagates. A layer that keeps its graph runs
-with grad in the forward and holds its weights and graph on the device until its backward (no re-forward).
+with grad in the forward and holds its weights and graph on the device until its backward (no re-forward); one
+marked ``mlp_recompute`` keeps the graph of all but its MLP, which re-runs in its backward (``mlp_recompute.py``).
 
 It lives in the engine, not in ``schedule/``, so that the executor runs plans without importing the solver.
 """
@@ -17,7 +18,8 @@ from dataclasses import dataclass, field
 #: spilled through it to a file, or dropped and rebuilt by re-running the layers before it.
 HOMES = ("gpu", "cpu", "nvme", "recompute")
 _VERSION = 1
-_FIELDS = ("tiers", "objective", "predicted_exposed_seconds", "status", "keep_graph", "max_recompute_span", "info")
+_FIELDS = ("tiers", "objective", "predicted_exposed_seconds", "status", "keep_graph", "max_recompute_span", "info",
+           "mlp_recompute")
 
 
 @dataclass
@@ -33,8 +35,10 @@ class Schedule:
                      forward from the previous materialized boundary.
     Boundaries 0 and L are always "gpu". ``keep_graph[j]`` (extension beyond the paper) means layer j keeps its whole
     autograd graph on the GPU, so its backward needs no re-forward; it requires (j, j+1) to be a block.
+    ``mlp_recompute[j]`` (a kept-graph layer only) keeps that graph without the MLP's intermediates: only the MLP's
+    input is saved and the MLP runs again in the layer's backward.
     ``objective``, ``predicted_exposed_seconds``, ``status`` and ``info`` are what the planner says of the plan; the
-    engine reads only the tiers and ``keep_graph``.
+    engine reads only the tiers, ``keep_graph`` and ``mlp_recompute``.
     """
 
     tiers: list[str]
@@ -44,6 +48,7 @@ class Schedule:
     keep_graph: list[bool] | None = None
     max_recompute_span: int | None = None
     info: dict = field(default_factory=dict)
+    mlp_recompute: list[bool] | None = None
 
     def __post_init__(self) -> None:
         self.tiers = list(self.tiers)
@@ -61,6 +66,13 @@ class Schedule:
         wrong = [j for j, keep in enumerate(self.keep_graph) if keep and not (self.kept(j) and self.kept(j + 1))]
         if wrong:
             raise ValueError(f"keep_graph layers {wrong} must be single-layer blocks (boundaries j and j+1 saved)")
+        self.mlp_recompute = [False] * n if self.mlp_recompute is None else [bool(r) for r in self.mlp_recompute]
+        if len(self.mlp_recompute) != n:
+            raise ValueError(f"mlp_recompute must have one entry per layer ({n}), got {len(self.mlp_recompute)}")
+        loose = [j for j, r in enumerate(self.mlp_recompute) if r and not self.keep_graph[j]]
+        if loose:
+            raise ValueError(f"mlp_recompute layers {loose} must also keep their graph (keep_graph); a layer that "
+                             f"re-runs in the backward re-runs its MLP anyway")
         if self.max_recompute_span is not None:
             too_long = [b for b in self.blocks() if b[1] - b[0] > self.max_recompute_span]
             if too_long:
@@ -124,7 +136,8 @@ class Schedule:
 
     def same_placement(self, other: Schedule) -> bool:
         """Whether both plans run the same way (what the planner says of them aside)."""
-        return self.tiers == other.tiers and self.keep_graph == other.keep_graph
+        return (self.tiers == other.tiers and self.keep_graph == other.keep_graph
+                and self.mlp_recompute == other.mlp_recompute)
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps({"version": _VERSION, **{name: getattr(self, name) for name in _FIELDS}}, indent=indent)

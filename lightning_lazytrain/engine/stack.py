@@ -17,6 +17,7 @@ from torch import nn
 
 from lightning_lazytrain.engine.activations.homes import ActivationHomes
 from lightning_lazytrain.engine.device import DeviceQueues
+from lightning_lazytrain.engine.mlp_recompute import checkpointed_mlp
 from lightning_lazytrain.engine.plan import Schedule
 from lightning_lazytrain.engine.rng import RngState, capture_rng, restore_rng, rng_fork
 from lightning_lazytrain.engine.weights.binding import bound, leaves_of
@@ -104,7 +105,8 @@ class StackRun:
         for j in order:
             slot = self._acquire(j)
             if training and plan.keep_graph[j]:
-                with torch.enable_grad():
+                partial = checkpointed_mlp(ex.layers[j]) if plan.mlp_recompute[j] else contextlib.nullcontext()
+                with torch.enable_grad(), partial:
                     inputs = x.detach().requires_grad_()
                     leaves = leaves_of(slot.views(ex.units[j]), ex.units[j])
                     out = self._layer(j, inputs, leaves)

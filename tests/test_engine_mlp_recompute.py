@@ -1,0 +1,111 @@
+"""The third per-layer choice: a kept graph whose MLP re-runs in the backward (``Schedule.mlp_recompute``)."""
+
+import copy
+
+import pytest
+import torch
+from helpers import batches, rel_diff, tiny_model, train
+
+import lightning_lazytrain  # noqa: F401
+from lightning_lazytrain import LazyTrainStrategy
+from lightning_lazytrain.engine.mlp_recompute import checkpointed_mlp
+from lightning_lazytrain.schedule import Schedule
+from lightning_lazytrain.schedule.layer_memory import saved_tensor_bytes
+from lightning_lazytrain.schedule.timing import rotary_inputs
+
+PLAN = Schedule(tiers=["gpu"] * 5, keep_graph=[True, True, True, False], mlp_recompute=[True, False, True, False])
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3-moe"])
+def test_mlp_recompute_trains_like_plain_and_all_kept(tmp_path, family):
+    model, data = tiny_model(family), batches(3, padded=True)
+    plain, _ = train(model, data)
+    kept = tmp_path / "kept.json"
+    kept.write_text(Schedule(tiers=["gpu"] * 5, keep_graph=PLAN.keep_graph).to_json())
+    ref, _ = train(model, data, strategy=LazyTrainStrategy(schedule=str(kept)))
+    partial = tmp_path / "partial.json"
+    partial.write_text(PLAN.to_json())
+    lt, _ = train(model, data, strategy=LazyTrainStrategy(schedule=str(partial)))
+    assert rel_diff(ref.model, model) > 1e-3, "the runs must have moved the weights"
+    assert rel_diff(lt.model, ref.model) <= 1e-6
+    assert rel_diff(lt.model, plain.model) <= 1e-5
+    assert lt.losses == pytest.approx(plain.losses, rel=1e-6)
+    # the model is unwrapped again: no instance forward left on any mlp, the same state_dict keys
+    assert all("forward" not in layer.mlp.__dict__ for layer in lt.model.model.layers)
+    assert list(lt.model.state_dict()) == list(model.state_dict())
+
+
+def _layer_inputs(model, batch: int = 2, seq: int = 16):
+    h = torch.randn(batch, seq, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    pos, pe = rotary_inputs(model.model.rotary_emb, h, batch, seq)
+    return h, {"attention_mask": None, "position_ids": pos, "position_embeddings": pe}
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3-moe"])
+def test_saved_bytes_drop_by_the_mlp_intermediates(family):
+    model = tiny_model(family)
+    layer = model.model.layers[0]
+    h, kwargs = _layer_inputs(model)
+    full = saved_tensor_bytes(layer, h, kwargs)
+    with checkpointed_mlp(layer):
+        partial = saved_tensor_bytes(layer, h, kwargs)
+    # the checkpoint holds the MLP's input (one hidden state) outside autograd's saved tensors
+    mlp_input = h.numel() * h.element_size()
+    width = 2 * 32 if family == "qwen3-moe" else 128  # top-2 of 32-wide experts / the dense intermediate size
+    assert partial + mlp_input < full
+    assert full - partial >= 3 * width * h.shape[0] * h.shape[1] * 4  # gate, up, act(gate) at least, fp32
+
+
+def test_rerun_uses_the_bound_tensors_not_the_masters():
+    """The MLP's re-run in the backward happens outside the forward's binding: it must see the tensors the forward
+    ran with (here the masters x 1.5), not the module's registered parameters."""
+    model = tiny_model("qwen2")
+    mlp = model.model.layers[0].mlp
+    scaled = copy.deepcopy(mlp)
+    with torch.no_grad():
+        for p in scaled.parameters():
+            p.mul_(1.5)
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(4))
+    grad = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(5))
+    ref = torch.autograd.grad(scaled(x.requires_grad_()), [x, *scaled.parameters()], grad)
+
+    leaves = [p.detach().clone().requires_grad_() for p in scaled.parameters()]
+    names = [name for name, _ in mlp.named_parameters()]
+    masters = dict(mlp.named_parameters())
+    xin = x.detach().requires_grad_()
+    with checkpointed_mlp(model.model.layers[0]):
+        for name, leaf in zip(names, leaves, strict=True):
+            mod, attr = mlp.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+            mod._parameters[attr] = leaf
+        out = mlp(xin)
+        for name in names:
+            mod, attr = mlp.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+            mod._parameters[attr] = masters[name]
+    got = torch.autograd.grad(out, [xin, *leaves], grad)
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_context_restores_an_existing_instance_forward():
+    model = tiny_model("llama")
+    mlp = model.model.layers[1].mlp
+    own = mlp.forward.__func__.__get__(mlp)
+    mlp.forward = own
+    keys = list(model.state_dict())
+    with checkpointed_mlp(model.model.layers[1]):
+        assert mlp.forward is not own
+    assert mlp.__dict__["forward"] is own
+    del mlp.forward
+    with checkpointed_mlp(model.model.layers[1]):
+        pass
+    assert "forward" not in mlp.__dict__ and list(model.state_dict()) == keys
+
+
+def test_plan_validates_and_round_trips_mlp_recompute():
+    assert Schedule.from_json(PLAN.to_json()) == PLAN
+    assert Schedule(tiers=["gpu"] * 3).mlp_recompute == [False, False]
+    assert not PLAN.same_placement(Schedule(tiers=PLAN.tiers, keep_graph=PLAN.keep_graph))
+    with pytest.raises(ValueError, match=r"mlp_recompute layers \[1\] must also keep their graph"):
+        Schedule(tiers=["gpu"] * 3, keep_graph=[True, False], mlp_recompute=[False, True])
+    with pytest.raises(ValueError, match=r"mlp_recompute must have one entry per layer \(2\)"):
+        Schedule(tiers=["gpu"] * 3, keep_graph=[True, True], mlp_recompute=[True])
