@@ -1,12 +1,17 @@
-"""A/B of two checkouts of the library (issue 15: the refactor must not slow the step), one harness (this one).
+"""Side-by-side runs of checkouts and systems in one call, one harness (this one).
 
-    git archive a278320 | tar -x -C ab_old
-    python benchmarks/ab_gpu.py --a ab_old --b . --out benchmarks/results/ab_refactor_h200.json
-    python benchmarks/ab_gpu.py --a ab_old --b . --cases 3b-b8 --tiny --out /tmp/ab_cpu.json   # CPU dry run
+Issue 15 (the refactor must not slow the step) and issue 17 (one-rank NCCL within 3% of one process):
 
-Cases: Qwen2.5-7B shape under an 80 GiB cap at batch 64, and 3B at batch 8 (system ``lazytrain``). Runs alternate
-A, B, A, B, ... so drift of the machine hits both alike; each run is its own subprocess with PYTHONPATH at its
-checkout (it records which ``lightning_lazytrain`` it imported). The file is rewritten after each run.
+    git archive a278320 lightning_lazytrain | tar -x -C ab_old
+    python benchmarks/ab_gpu.py --side old=ab_old --side new=. --side nccl1=.:lazytrain-one-rank-nccl \
+        --cases 3b-b8 --out benchmarks/results/ab_h200.json
+    python benchmarks/ab_gpu.py --side old=ab_old --side new=. --cases 3b-b8 --tiny --runs 1 --out /tmp/ab.json
+
+A side is ``NAME=CHECKOUT[:SYSTEM]`` (system ``lazytrain`` unless named). Cases: Qwen2.5-7B shape under an
+80 GiB cap at batch 64, and 3B at batch 8. Runs alternate over the sides (old, new, nccl1, old, ...) so drift of
+the machine hits all alike; each run is its own subprocess with PYTHONPATH at its checkout (it records which
+``lightning_lazytrain`` it imported). The file is rewritten after each run; ratios are of medians against the
+first side, at the same case (same shape, batch and cap).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CASES = {"7b-b64-80g": ("qwen2.5-7b", 64, 80.0, 150), "3b-b8": ("qwen2.5-3b", 8, 80.0, 90)}
@@ -29,7 +35,7 @@ def child(spec: dict, out: str) -> None:
 
     import lightning_lazytrain
 
-    row = one_run("lazytrain", spec["shape"], spec["batch"], spec["cap"], spec["steps"], spec["warmup"], {})
+    row = one_run(spec["system"], spec["shape"], spec["batch"], spec["cap"], spec["steps"], spec["warmup"], {})
     row.pop("engine", None)
     row["library"] = os.path.dirname(os.path.abspath(lightning_lazytrain.__file__))
     with open(out + ".tmp", "w") as f:
@@ -37,9 +43,18 @@ def child(spec: dict, out: str) -> None:
     os.replace(out + ".tmp", out)
 
 
-def one(checkout: str, case: str, steps: int, warmup: int, tiny: bool) -> dict:
+def parse_side(text: str) -> tuple[str, str, str]:
+    name, sep, rest = text.partition("=")
+    if not sep or not name or not rest:
+        raise argparse.ArgumentTypeError(f"--side {text!r}: write NAME=CHECKOUT or NAME=CHECKOUT:SYSTEM")
+    checkout, _, system = rest.partition(":")
+    return name, checkout, system or "lazytrain"
+
+
+def one(checkout: str, system: str, case: str, steps: int, warmup: int, tiny: bool) -> dict:
     shape, batch, cap, timeout = CASES[case]
     spec = {
+        "system": system,
         "shape": "tiny" if tiny else shape,
         "batch": 2 if tiny else batch,
         "cap": cap,
@@ -48,47 +63,49 @@ def one(checkout: str, case: str, steps: int, warmup: int, tiny: bool) -> dict:
     }
     checkout = os.path.abspath(checkout)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([checkout, os.environ.get("PYTHONPATH", "")]).rstrip(":")}
+    start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "row.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec), "--child-out", out]
         try:
             subprocess.run(cmd, env=env, timeout=timeout if not tiny else 600, cwd=checkout)
         except subprocess.TimeoutExpired:
-            return {"status": f"timeout {timeout}s"}
+            return {"status": f"timeout {timeout}s", "wall_s": time.perf_counter() - start}
         if not os.path.exists(out):
-            return {"status": "child failed"}
+            return {"status": "child failed", "wall_s": time.perf_counter() - start}
         with open(out) as f:
             row = json.load(f)
+    row["wall_s"] = time.perf_counter() - start
     if not row.get("library", "").startswith(checkout):
         row["status"] = f"imported {row.get('library')}, not the checkout {checkout}"
     return row
 
 
-def summarize(runs: list[dict]) -> dict:
+def summarize(runs: list[dict], sides: list[str]) -> dict:
     out = {}
     for case in sorted({r["case"] for r in runs}):
         side = {}
-        for name in ("a", "b"):
+        for name in sides:
             steps = [r["step_s"] for r in runs if r["case"] == case and r["side"] == name and r.get("status") == "ok"]
-            side[name] = {
-                "runs": len(steps),
-                "median_step_s": statistics.median(steps) if steps else None,
-                "steps": steps,
-            }
-        a, b = side["a"]["median_step_s"], side["b"]["median_step_s"]
-        out[case] = {**side, "b_over_a": b / a if a and b else None}
+            side[name] = {"runs": len(steps), "median_step_s": statistics.median(steps) if steps else None,
+                          "steps": steps}
+        first = side[sides[0]]["median_step_s"]
+        for name in sides[1:]:
+            med = side[name]["median_step_s"]
+            side[name][f"over_{sides[0]}"] = med / first if med and first else None
+        out[case] = side
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--a", help="the old checkout (its lightning_lazytrain/ is imported)")
-    parser.add_argument("--b", default=".", help="the new checkout")
+    parser.add_argument("--side", type=parse_side, action="append", required=False,
+                        help="NAME=CHECKOUT[:SYSTEM], repeated; the first is the reference of the ratios")
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--runs", type=int, default=3, help="runs per side and case")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--out", default="benchmarks/results/ab_refactor_h200.json")
+    parser.add_argument("--out", default="benchmarks/results/ab_h200.json")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
@@ -96,39 +113,30 @@ def main() -> None:
     if args.child:
         child(json.loads(args.child), args.child_out)
         return
-    if args.a is None:
-        parser.error("--a (the old checkout) is required")
+    if not args.side or len(args.side) < 2:
+        parser.error("name at least two --side NAME=CHECKOUT[:SYSTEM]")
     sys.path.insert(0, HERE)
-    from common import machine
+    from common import commit, machine
 
+    names = [name for name, _, _ in args.side]
     runs: list[dict] = []
     out = os.path.abspath(args.out)
     for case in args.cases:
         for i in range(args.runs):
-            for side, checkout in (("a", args.a), ("b", args.b)):
-                row = {
-                    "case": case,
-                    "side": side,
-                    "checkout": checkout,
-                    "run": i,
-                    **one(checkout, case, args.steps, args.warmup, args.tiny),
-                }
+            for name, checkout, system in args.side:
+                row = {"case": case, "side": name, "checkout": checkout, "system": system, "run": i,
+                       **one(checkout, system, case, args.steps, args.warmup, args.tiny)}
                 runs.append(row)
-                print(
-                    json.dumps({k: row.get(k) for k in ("case", "side", "run", "status", "step_s", "library")}),
-                    flush=True,
-                )
+                print(json.dumps({k: row.get(k) for k in ("case", "side", "run", "status", "step_s", "wall_s")}),
+                      flush=True)
                 os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
                 with open(out + ".tmp", "w") as f:
-                    json.dump(
-                        {"machine": machine(), "a": args.a, "b": args.b, "summary": summarize(runs), "runs": runs},
-                        f,
-                        indent=2,
-                        default=str,
-                    )
+                    json.dump({"command": " ".join(["python", *sys.argv]), "commit": commit(), "machine": machine(),
+                               "sides": args.side, "summary": summarize(runs, names), "runs": runs},
+                              f, indent=2, default=str)
                 os.replace(out + ".tmp", out)
-    for case, s in summarize(runs).items():
-        print(case, "A", s["a"]["median_step_s"], "B", s["b"]["median_step_s"], "B/A", s["b_over_a"])
+    for case, s in summarize(runs, names).items():
+        print(case, {n: (v["median_step_s"], v.get(f"over_{names[0]}")) for n, v in s.items()})
 
 
 if __name__ == "__main__":

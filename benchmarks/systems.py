@@ -14,7 +14,8 @@ from common import BenchModule, host_model, qwen_config, random_model
 
 from lightning_lazytrain import LazyTrainStrategy
 
-SYSTEMS = ("gpu-resident", "gpu-resident-ckpt", "lazytrain", "lazytrain-gpu-updates", "lazytrain-interval4",
+SYSTEMS = ("gpu-resident", "gpu-resident-ckpt", "lazytrain", "lazytrain-one-rank-nccl", "lazytrain-gpu-updates",
+           "lazytrain-interval4",
            "lazytrain-interval4-overlap",
            "fsdp-cpu-offload", "fsdp-cpu-offload-fused", "deepspeed-z3-offload", "deepspeed-z3-offload-fair")
 
@@ -54,6 +55,10 @@ def build(system: str, shape: str, batch: int, host_cache: dict, fp32_adamw: boo
         if system == "lazytrain":
             return SystemRun(BenchModule(model, hybrid), LazyTrainStrategy(schedule="milp"), "bf16-mixed",
                              f"{label}, overlapped", clip)
+        if system == "lazytrain-one-rank-nccl":
+            # issue 17: the multi-process path (process group, sharded sink, reduce-scatter) on one GPU
+            return SystemRun(BenchModule(model, hybrid), LazyTrainStrategy(schedule="milp", force_distributed=True),
+                             "bf16-mixed", f"{label}, overlapped, force_distributed=True (one-rank NCCL)", clip)
         if system == "lazytrain-gpu-updates":
             return SystemRun(BenchModule(model, hybrid), LazyTrainStrategy(schedule="milp", device_update_share=None),
                              "bf16-mixed", f"{label}, overlapped, a measured share of the updates on the GPU", clip)
