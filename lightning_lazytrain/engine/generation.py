@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import types
+import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -148,9 +149,13 @@ class EvalGeneration:
             call = self._resident_generate
         if inputs is not None:
             kwargs["input_ids"] = inputs
-        if plan.batch_size >= ids.shape[0] or kwargs.get("return_dict_in_generate"):
-            return call(**kwargs)
-        return _in_batches(call, kwargs, ids.shape[0], plan.batch_size, _pad_id(kwargs, config))
+        with warnings.catch_warnings():
+            # HF compares the inputs' device with model.device, the host where lazytrain keeps the weights; the
+            # layers run on the executor's device, where the inputs belong
+            warnings.filterwarnings("ignore", message=_DEVICE_MISMATCH)
+            if plan.batch_size >= ids.shape[0] or kwargs.get("return_dict_in_generate"):
+                return call(**kwargs)
+            return _in_batches(call, kwargs, ids.shape[0], plan.batch_size, _pad_id(kwargs, config))
 
     def _resident_generate(self, **kwargs: Any) -> Any:
         ex = self.executor
@@ -169,6 +174,9 @@ class EvalGeneration:
             for k, unit in enumerate(ex.layer_units):
                 stack.enter_context(bound(unit, resident.views(k)))
             yield
+
+
+_DEVICE_MISMATCH = r"You are calling \.generate\(\) with the `input_ids` being on a device type different"
 
 
 def _per_prompt(plan: GenerationPlan, widen: int, prompts: int) -> GenerationPlan:
