@@ -16,8 +16,8 @@ Model as implemented (layers j = 0..L-1, layer j reads boundary j and writes j+1
 ``predicted_exposed_seconds`` = recompute seconds ``sum R x`` + charged slack seconds (the four slack terms), i.e.
 the objective without tie-breakers. PCIe and disk slack of one window are added, not max'ed: an upper estimate.
 Kept graphs, weight slots and each block's transient memory (rebuilt boundaries, working set) are added by
-``milp_memory.py``; the re-run a kept graph saves, ``rho_j (1 - k_j)``, is in the objective, not in
-``predicted_exposed_seconds``.
+``milp_memory.py``; the re-run a kept graph saves, ``rho_j (1 - k_j - r_j) + mu_j r_j`` (``r_j``: kept but the
+MLP re-runs, ``mu_j`` its time), is in the objective, not in ``predicted_exposed_seconds``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pyomo.contrib.appsi.solvers import Highs
 
 from lightning_lazytrain.engine.plan import Schedule
 
-from .milp_memory import add_memory, memory_shortfall, plan_gpu_bytes
+from .milp_memory import add_memory, held_graph_bytes, memory_shortfall, plan_gpu_bytes
 from .milp_transfers import add_transfers
 from .milp_windows import add_window_transfers
 from .problem import GIB, ScheduleProblem
@@ -128,9 +128,13 @@ def _build(p: ScheduleProblem, engine_windows: bool = False) -> pyo.ConcreteMode
         p.lambda_materialize * (m.g[i] + m.c[i] + m.n[i]) + p.lambda_cpu * m.c[i] + p.lambda_nvme * m.n[i]
         for i in inner))
     # Where a layer may keep its graph, its backward's forward-with-grad re-run is a cost it can avoid: counted as
-    # rho_j (1 - k_j), so the objective stays the seconds of re-runs and stalls (and the MIP gap is relative to it).
-    m.graph_saving = pyo.Expression(expr=qs(p.forward_seconds[j] * m.k[j] for j in m.k))
-    m.reruns = pyo.Expression(expr=qs(p.forward_seconds[j] * (1 - m.k[j]) for j in m.k))
+    # rho_j (1 - k_j - r_j) + mu_j r_j, so the objective stays the seconds of re-runs and stalls (and the MIP gap is
+    # relative to it).
+    mu = p.mlp_seconds or [0.0] * n
+    m.graph_saving = pyo.Expression(expr=qs(p.forward_seconds[j] * m.held[j] for j in m.held)
+                                    - qs(mu[j] * m.r[j] for j in m.r))
+    m.reruns = pyo.Expression(expr=qs(p.forward_seconds[j] * (1 - m.held[j]) for j in m.held)
+                              + qs(mu[j] * m.r[j] for j in m.r))
     m.obj = pyo.Objective(expr=m.recompute + m.slack + m.ties + m.reruns, sense=pyo.minimize)
     m._edges, m._inner = edges, inner
     return m
@@ -195,8 +199,9 @@ def _extract(p: ScheduleProblem, m: pyo.ConcreteModel, res, status: str, t_build
     obj = float(res.best_feasible_objective)
     bound = res.best_objective_bound
     gap = 0.0 if bound is None or obj == 0 else max(0.0, (obj - float(bound)) / abs(obj))
-    keep_graph = [j in m.k and _val(m.k[j]) > 0.5 for j in range(n)]
-    graphs = sum(p.graph_bytes[j] for j in range(n) if keep_graph[j]) if p.graph_bytes is not None else 0
+    mlp_recompute = [j in m.r and _val(m.r[j]) > 0.5 for j in range(n)]
+    keep_graph = [(j in m.k and _val(m.k[j]) > 0.5) or mlp_recompute[j] for j in range(n)]
+    graphs = held_graph_bytes(p, keep_graph, mlp_recompute)
     # Re-check the budgets in exact integer bytes: the solver works in GiB floats with a feasibility tolerance.
     for tier, budget in (("gpu", p.gpu_budget_bytes), ("cpu", p.cpu_budget_bytes), ("nvme", p.nvme_budget_bytes)):
         used = sum(b for b, t in zip(p.activation_bytes, tiers, strict=True) if t == tier)
@@ -204,18 +209,19 @@ def _extract(p: ScheduleProblem, m: pyo.ConcreteModel, res, status: str, t_build
         if used > budget:
             raise RuntimeError(f"solver plan puts {used} B on {tier} over its {budget} B budget (round-off); "
                                f"lower the {tier} budget by a few KiB")
-    gpu_bytes = plan_gpu_bytes(p, tiers, keep_graph)
+    gpu_bytes = plan_gpu_bytes(p, tiers, keep_graph, mlp_recompute)
     if p.gpu_total_bytes is not None and gpu_bytes > p.gpu_total_bytes:
         raise RuntimeError(f"solver plan needs {gpu_bytes} B of GPU memory over the {p.gpu_total_bytes} B the "
                            f"device has for it (round-off); lower gpu_total_bytes by a few KiB")
     sched = Schedule(tiers=tiers, objective=obj, status=status, keep_graph=keep_graph,
-                     max_recompute_span=p.max_recompute_span)
+                     max_recompute_span=p.max_recompute_span, mlp_recompute=mlp_recompute)
     recompute = sum(p.recompute_seconds(s, e) for s, e in sched.blocks())
     slack = _val(m.slack)
     sched.predicted_exposed_seconds = recompute + slack
     sched.info = {"recompute_seconds": recompute, "slack_seconds": slack, "mip_gap": gap,
                   "best_bound": None if bound is None else float(bound), "build_seconds": round(t_build, 4),
-                  "solve_seconds": round(t_total, 4), "num_binaries": len(m._edges) + 3 * len(m._inner) + len(m.k),
+                  "solve_seconds": round(t_total, 4),
+                  "num_binaries": len(m._edges) + 3 * len(m._inner) + len(m.k) + len(m.r),
                   "kept_graph_seconds": _val(m.graph_saving), "gpu_bytes": gpu_bytes}
     log.info("schedule solved: %s in %.2f s (gap %.4f), exposed %.4f s, tiers %s", status, t_total, gap,
              sched.predicted_exposed_seconds, sched.counts())

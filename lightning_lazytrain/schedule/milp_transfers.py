@@ -31,8 +31,8 @@ from .problem import GIB, ScheduleProblem
 
 
 def _cap(m: pyo.ConcreteModel, base: list[float], kept: list[float], w: int):
-    """Capacity of part w, lowered where layer w keeps its graph (``m.k``)."""
-    return base[w] + (kept[w] - base[w]) * m.k[w] if w in m.k else base[w]
+    """Capacity of part w, lowered where layer w holds a graph from the forward (``m.held``)."""
+    return base[w] + (kept[w] - base[w]) * m.held[w] if w in m.held else base[w]
 
 
 def add_transfers(m: pyo.ConcreteModel, p: ScheduleProblem, a: list[float], inner: list[int],

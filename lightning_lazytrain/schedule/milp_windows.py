@@ -57,7 +57,7 @@ def add_window_transfers(m: pyo.ConcreteModel, p: ScheduleProblem, a: list[float
                             <= a[i] * qs(m.x[i, e] for e in out_e[i] if e <= w))
 
     def cap(base: list[float], keep: list[float], w: int):
-        return base[w] + (keep[w] - base[w]) * m.k[w] if w in m.k else base[w]
+        return base[w] + (keep[w] - base[w]) * m.held[w] if w in m.held else base[w]
 
     m.capD = pyo.Constraint(wins, rule=lambda m, w: qs(m.dc[i, w] + m.dn[i, w] for i in by_w_off[w])
                             <= cap(free_d, kfree_d, w) + m.sD[w])

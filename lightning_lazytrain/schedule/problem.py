@@ -56,6 +56,10 @@ class ScheduleProblem:
         graph_bytes: per layer, the GPU bytes its autograd graph holds beyond its input boundary when it keeps its
             graph from the forward (saves its re-forward in the backward). ``None``: keeping graphs is not offered
             (except for ``keep_graph_layers``, counted at 0 bytes).
+        mlp_graph_bytes: per layer, the GPU bytes its kept graph holds when its MLP re-runs in the backward instead
+            (the attention half's graph and the MLP's input). ``None``: that choice is not offered.
+        mlp_seconds: per layer, one forward of its MLP (what that choice re-runs in the backward); given together
+            with ``mlp_graph_bytes``.
         working_bytes: per layer, the peak transient GPU bytes of its forward-with-grad and backward beyond its
             input boundary (MLP intermediates, attention, weight and input gradients). ``None``: not modelled.
         head_working_bytes: the same for the head window (lm_head chunk + loss, forward and backward).
@@ -85,6 +89,8 @@ class ScheduleProblem:
     lambda_nvme: float = 1e-7
     graph_bytes: list[int] | None = None
     working_bytes: list[int] | None = None
+    mlp_graph_bytes: list[int] | None = None
+    mlp_seconds: list[float] | None = None
     head_working_bytes: int = 0
     slot_bytes: int = 0
     fixed_slots: int = 0
@@ -108,10 +114,15 @@ class ScheduleProblem:
         span = self.max_recompute_span
         if isinstance(span, bool) or not isinstance(span, int) or span < 1:
             raise ValueError(f"ScheduleProblem.max_recompute_span must be an int >= 1, got {span!r}")
-        for name in ("graph_bytes", "working_bytes"):
+        for name in ("graph_bytes", "working_bytes", "mlp_graph_bytes"):
             if getattr(self, name) is not None:
                 _check_list(name, getattr(self, name), n, integral=True)
                 setattr(self, name, [int(v) for v in getattr(self, name)])
+        if (self.mlp_graph_bytes is None) != (self.mlp_seconds is None):
+            raise ValueError("ScheduleProblem.mlp_graph_bytes and mlp_seconds go together: give both or neither")
+        if self.mlp_seconds is not None:
+            _check_list("mlp_seconds", self.mlp_seconds, n, integral=False)
+            self.mlp_seconds = [float(v) for v in self.mlp_seconds]
         for name in ("head_working_bytes", "slot_bytes", "fixed_slots"):
             _check_scalar(name, getattr(self, name), positive=False)
         if self.gpu_total_bytes is not None:
@@ -143,6 +154,10 @@ class ScheduleProblem:
 
     def may_keep_graph(self, j: int) -> bool:
         return self.graph_bytes is not None or j in self.keep_graph_layers
+
+    def may_recompute_mlp(self, j: int) -> bool:
+        """Whether layer j may keep its graph with the MLP re-run in the backward."""
+        return self.mlp_graph_bytes is not None and j not in self.keep_graph_layers
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
