@@ -24,7 +24,9 @@ log = logging.getLogger(__name__)
 RUNGS = ("smaller GPU budget", "more recompute", "CPU/NVMe homes")
 
 
-def _rung_plan(tiers: list[str], keep_graph: list[bool], rung: str, mlp_recompute: list[bool] | None = None) -> Schedule:
+def _rung_plan(
+    tiers: list[str], keep_graph: list[bool], rung: str, mlp_recompute: list[bool] | None = None
+) -> Schedule:
     # No recompute span: a rung may lengthen blocks past the one the plan was solved under, and that is the point.
     return Schedule(tiers, status=f"oom rung: {rung}", keep_graph=keep_graph, mlp_recompute=mlp_recompute)
 

@@ -17,7 +17,6 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
