@@ -78,11 +78,11 @@ def test_measuring_code_runs_layers_and_head(family):
         return 0.5
 
     per_layer = profile_mod._measure_layers(adapter, BATCH, SEQ, CPU, torch.float32, timer=timer)
-    assert sorted(per_layer) == list(range(LAYERS)) and set(per_layer.values()) == {(0.5, 0, 0)}
-    assert len(calls) == len(set(adapter.layer_types()))  # one measurement per distinct layer kind
+    assert sorted(per_layer) == list(range(LAYERS)) and set(per_layer.values()) == {(0.5, 0, 0, 0.5, 0)}
+    assert len(calls) == 2 * len(set(adapter.layer_types()))  # layer and MLP once per distinct layer kind
     assert profile_mod._measure_head(adapter, 64, CPU, torch.float32, timer=timer) == pytest.approx(0.5)
     real = profile_mod._measure_layers(adapter, BATCH, SEQ, CPU, torch.float32, timer=time_wall)
-    assert all(v[0] > 0 for v in real.values())
+    assert all(v[0] > v[3] > 0 for v in real.values())
 
 
 def test_cache_hit_on_second_call(tmp_path, monkeypatch):

@@ -17,8 +17,9 @@ the forward and again for the backward; a recompute block's no-grad re-forward r
 ``grad_d2h_bytes[w] = param_bytes[w]`` (the gradient goes back in the stream dtype, bf16 under bf16-mixed),
 or ``n_params * grad_bytes_per_param`` when that is given.
 
-GPU memory: the profile's per-layer graph and working-set bytes go to the problem (``keep_graphs=False`` offers no
-kept graphs); ``gpu_total_bytes``, ``slot_bytes``, ``fixed_slots`` and ``head_working_bytes`` are the device's side,
+GPU memory: the profile's per-layer graph and working-set bytes, and the graph bytes and MLP seconds of a kept graph
+whose MLP re-runs, go to the problem (``keep_graphs=False`` offers no kept graphs of either kind);
+``gpu_total_bytes``, ``slot_bytes``, ``fixed_slots`` and ``head_working_bytes`` are the device's side,
 which the caller knows (`lightning_lazytrain.planner`).
 
 Link: forward offloads run beside weight prefetches and backward reloads beside gradient copies, so both
@@ -69,6 +70,8 @@ def build_problem(profile: Profile, gpu_budget_bytes: int, cpu_budget_bytes: int
         head_seconds=float(profile.head_seconds),
         graph_bytes=list(profile.graph_bytes) if keep_graphs and profile.graph_bytes else None,
         working_bytes=list(profile.working_bytes) or None,
+        mlp_graph_bytes=list(profile.mlp_graph_bytes) if keep_graphs and profile.mlp_graph_bytes else None,
+        mlp_seconds=list(profile.mlp_seconds) if keep_graphs and profile.mlp_graph_bytes else None,
         head_working_bytes=int(head_working_bytes),
         slot_bytes=int(slot_bytes),
         fixed_slots=int(fixed_slots),

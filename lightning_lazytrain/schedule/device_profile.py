@@ -49,6 +49,8 @@ def measured_profile(
     per_kind = {kind: t * ratio for kind, t in zip(kinds, measured.forward_seconds)}
     memory = {kind: (int(g * ratio), int((w - p) * ratio) + p)
               for kind, g, w, p in zip(kinds, measured.graph_bytes, measured.working_bytes, measured.param_bytes)}
+    partial = {kind: (int(g * ratio), t * ratio)
+               for kind, g, t in zip(kinds, measured.mlp_graph_bytes, measured.mlp_seconds)}
     itemsize = stream_dtype.itemsize
     act = batch * seq * adapter.model.config.hidden_size * itemsize
     scaled = f", at batch {measured_batch} scaled x{ratio:.2f}" if measured_batch != batch else ""
@@ -62,5 +64,7 @@ def measured_profile(
         layer_types=types,
         graph_bytes=[memory[t][0] for t in types],
         working_bytes=[memory[t][1] for t in types],
+        mlp_graph_bytes=[partial[t][0] for t in types],
+        mlp_seconds=[partial[t][1] for t in types],
         info={**measured.info, "scaling": f"measured on {measured.device_name} (one layer per kind{scaled})"},
     )

@@ -4,13 +4,18 @@ On CUDA both are measured on one copy of the layer (``max_memory_allocated`` / `
 just before its forward-with-grad, through its backward). Without CUDA they are estimated from the config: per
 token, the tensors autograd saves in a decoder layer (the two RMSNorms' fp32 intermediates, Q/K/V and the attention
 output, the MLP's gate/up/activation/product), and for the peak the backward's transient intermediates, the input
-gradient and the weight gradients. ``saved_tensor_bytes`` counts what autograd really saves (saved-tensor hooks),
+gradient and the weight gradients. The graph of a layer whose MLP re-runs in the backward
+(``engine/mlp_recompute.py``) is measured the same way under ``checkpointed_mlp``, and estimated as the graph
+without the MLP's intermediates (the MLP's input stays: it is one of the three hidden-sized terms).
+``saved_tensor_bytes`` counts what autograd really saves (saved-tensor hooks),
 the reference the estimate is tested against.
 """
 
 from __future__ import annotations
 
 import torch
+
+from lightning_lazytrain.engine.mlp_recompute import checkpointed_mlp
 
 
 def _mlp_width(config) -> int:
@@ -37,17 +42,29 @@ def _mixer_width(config, layer_type: str) -> int:
     return width
 
 
-def analytic_layer_memory(config, layer_type: str, tokens: int, itemsize: int, param_bytes: int) -> tuple[int, int]:
-    """(graph bytes, peak working bytes) of one layer's forward+backward for ``tokens`` tokens, estimated."""
+def _mlp_per_token(config, itemsize: int) -> int:
+    """Bytes per token the MLP's own autograd graph saves: gate, up, activation, product (+ the MoE routing)."""
     hidden, mlp = config.hidden_size, _mlp_width(config)
-    norms = 2 * 3 * 4 * hidden  # two RMSNorms: fp32 input, normalized and scaled copies
-    per_token = norms + itemsize * (3 * hidden + _mixer_width(config, layer_type) + 4 * mlp)
+    per_token = itemsize * 4 * mlp
     experts = getattr(config, "num_experts_per_tok", None) if getattr(config, "moe_intermediate_size", None) else None
     if experts:  # routed copies of each token's input and output, fp32 router probabilities
         per_token += itemsize * 2 * experts * hidden + 4 * 2 * getattr(config, "num_experts", 0)
-    graph = tokens * per_token
+    return per_token
+
+
+def analytic_layer_memory(config, layer_type: str, tokens: int, itemsize: int, param_bytes: int) -> tuple[int, int]:
+    """(graph bytes, peak working bytes) of one layer's forward+backward for ``tokens`` tokens, estimated."""
+    hidden, mlp = config.hidden_size, _mlp_width(config)
+    graph = analytic_mlp_recompute_graph(config, layer_type, tokens, itemsize)
+    graph += tokens * _mlp_per_token(config, itemsize)
     transient = tokens * itemsize * (2 * mlp + 2 * hidden)  # backward's gate/up gradients, input gradient, output
     return graph, graph + transient + param_bytes
+
+
+def analytic_mlp_recompute_graph(config, layer_type: str, tokens: int, itemsize: int) -> int:
+    """Graph bytes of one layer whose MLP re-runs in the backward: norms, the token mixer, the hidden states."""
+    norms = 2 * 3 * 4 * config.hidden_size  # two RMSNorms: fp32 input, normalized and scaled copies
+    return tokens * (norms + itemsize * (3 * config.hidden_size + _mixer_width(config, layer_type)))
 
 
 def measure_layer_memory(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict) -> tuple[int, int]:
@@ -67,6 +84,19 @@ def measure_layer_memory(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: d
     peak = torch.cuda.max_memory_allocated(device) - base
     del grads, out
     return int(graph), int(peak)
+
+
+def measure_mlp_recompute_graph(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict) -> int:
+    """Graph bytes of ``layer``'s forward-with-grad with its MLP under the backward's re-run, on CUDA."""
+    device = hidden.device
+    x = hidden.detach().requires_grad_()
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    with torch.enable_grad(), checkpointed_mlp(layer):
+        out = layer(x, **kwargs)
+    graph = torch.cuda.memory_allocated(device) - base
+    del out
+    return int(graph)
 
 
 def saved_tensor_bytes(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict) -> int:

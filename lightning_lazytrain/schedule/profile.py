@@ -23,11 +23,16 @@ import torch
 from lightning_lazytrain.engine.link import measure_link_cuda
 from lightning_lazytrain.models.adapter import ModelAdapter
 
-from .layer_memory import analytic_layer_memory, measure_layer_memory
+from .layer_memory import (
+    analytic_layer_memory,
+    analytic_mlp_recompute_graph,
+    measure_layer_memory,
+    measure_mlp_recompute_graph,
+)
 from .spill_probe import measure_disk
 from .timing import rotary_inputs, time_cuda
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3  # 3: the MLP re-run's graph bytes and seconds
 ANALYTIC_FLOPS = 1e11  # FLOP/s assumed for analytic compute estimates (no CUDA device to measure on)
 # REFERENCE.md, H200 benchmark machine: pinned PCIe per direction / both at once (total), disk write / read.
 H200_H2D, H200_D2H, H200_DUPLEX = 55.5e9, 55.3e9, 101e9
@@ -48,6 +53,8 @@ class Profile:
     graph_bytes[j] / working_bytes[j]: GPU bytes layer j's kept graph holds and the peak of its forward-with-grad
     and backward, both beyond its input boundary (`layer_memory.py`). sources[k] for k in SOURCE_KEYS: "measured"
     or "analytic". Empty memory lists: not profiled (the MILP then offers no kept graphs).
+    mlp_graph_bytes[j] / mlp_seconds[j]: the graph bytes of layer j when its MLP re-runs in the backward, and one
+    no-grad forward of its MLP; empty: not profiled (the MILP does not offer that choice).
     """
 
     forward_seconds: list[float]
@@ -67,6 +74,8 @@ class Profile:
     layer_types: list[str] = field(default_factory=list)
     graph_bytes: list[int] = field(default_factory=list)
     working_bytes: list[int] = field(default_factory=list)
+    mlp_graph_bytes: list[int] = field(default_factory=list)
+    mlp_seconds: list[float] = field(default_factory=list)
     info: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -81,6 +90,11 @@ class Profile:
             raise ValueError(f"Profile needs L={n} graph_bytes and working_bytes (or none: not profiled), got "
                              f"{len(self.graph_bytes)}, {len(self.working_bytes)}")
         self.graph_bytes = [int(v) for v in self.graph_bytes]
+        if len(self.mlp_graph_bytes) != len(self.mlp_seconds) or len(self.mlp_seconds) not in (0, n):
+            raise ValueError(f"Profile needs L={n} mlp_graph_bytes and mlp_seconds (or none: not profiled), got "
+                             f"{len(self.mlp_graph_bytes)}, {len(self.mlp_seconds)}")
+        self.mlp_graph_bytes = [int(v) for v in self.mlp_graph_bytes]
+        self.mlp_seconds = [float(v) for v in self.mlp_seconds]
         self.working_bytes = [int(v) for v in self.working_bytes]
         for name in ("h2d_bytes_per_s", "d2h_bytes_per_s", "duplex_bytes_per_s", "nvme_read_bytes_per_s",
                      "nvme_write_bytes_per_s"):
@@ -140,24 +154,28 @@ def _attention_flops(config, layer_type: str, batch: int, seq: int) -> float:
 
 
 def _measure_layers(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, dtype,
-                    timer=time_cuda) -> dict[int, tuple[float, int, int]]:
-    """Per layer index: seconds of one no-grad forward (timed with ``timer``) and, on CUDA, the graph and peak
-    working bytes of a forward-with-grad + backward (0, 0 elsewhere); one copy of one layer per group."""
+                    timer=time_cuda) -> dict[int, tuple[float, int, int, float, int]]:
+    """Per layer index: seconds of one no-grad forward (timed with ``timer``), on CUDA the graph and peak working
+    bytes of a forward-with-grad + backward (0, 0 elsewhere), seconds of one no-grad MLP forward and, on CUDA, the
+    graph bytes with the MLP re-run in the backward (0 elsewhere); one copy of one layer per group."""
     hidden = adapter.model.config.hidden_size
     rotary = copy.deepcopy(adapter.rotary).to(device)
     gen = torch.Generator(device=device).manual_seed(0)
     h = torch.randn(batch, seq, hidden, device=device, dtype=dtype, generator=gen)
     pos, pe = rotary_inputs(rotary, h, batch, seq)
     kwargs = {"attention_mask": None, "position_ids": pos, "position_embeddings": pe}
-    out: dict[int, tuple[float, int, int]] = {}
+    out: dict[int, tuple[float, int, int, float, int]] = {}
     for (_, _), members in _layer_groups(adapter).items():
         layer = copy.deepcopy(adapter.layers[members[0]]).to(device=device, dtype=dtype).eval()
         with torch.no_grad():
             secs = timer(lambda layer=layer: layer(h, **kwargs), device)
-        graph, peak = measure_layer_memory(layer, h, kwargs) if device.type == "cuda" else (0, 0)
+            mlp_secs = timer(lambda layer=layer: layer.mlp(h), device)  # the MLP sees a hidden-sized input
+        cuda = device.type == "cuda"
+        graph, peak = measure_layer_memory(layer, h, kwargs) if cuda else (0, 0)
+        partial = measure_mlp_recompute_graph(layer, h, kwargs) if cuda else 0
         del layer
         for j in members:
-            out[j] = (secs, graph, peak)
+            out[j] = (secs, graph, peak, mlp_secs, partial)
     return out
 
 
@@ -188,7 +206,8 @@ def _measure(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, 
     if cuda:
         per_layer = _measure_layers(adapter, batch, seq, device, stream_dtype)
         forward = [per_layer[j][0] for j in range(n)]
-        memory = [per_layer[j][1:] for j in range(n)]
+        memory = [per_layer[j][1:3] for j in range(n)]
+        mlp = [(per_layer[j][4], per_layer[j][3]) for j in range(n)]
         torch.cuda.empty_cache()
         head = _measure_head(adapter, tokens, device, stream_dtype)
         h2d, d2h, duplex = measure_link_cuda(device)
@@ -197,6 +216,9 @@ def _measure(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, 
         forward = [(2.0 * numel[j] * tokens + _attention_flops(config, types[j], batch, seq)) / ANALYTIC_FLOPS
                    for j in range(n)]
         memory = [analytic_layer_memory(config, types[j], tokens, itemsize, numel[j] * itemsize) for j in range(n)]
+        # the MLP's share of the layer's FLOPs is its share of the weights (the attention's mixing aside)
+        mlp = [(analytic_mlp_recompute_graph(config, types[j], tokens, itemsize),
+                2.0 * _unique_numel(adapter.layers[j].mlp) * tokens / ANALYTIC_FLOPS) for j in range(n)]
         head = 6.0 * config.vocab_size * config.hidden_size * tokens / ANALYTIC_FLOPS
         h2d, d2h, duplex = H200_H2D, H200_D2H, H200_DUPLEX
         name = f"cpu:{platform.processor() or platform.machine()}"
@@ -211,6 +233,7 @@ def _measure(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, 
                    nvme_read_bytes_per_s=read, nvme_write_bytes_per_s=write, device_name=name, sources=src,
                    batch=batch, seq=seq, dtype=str(stream_dtype).replace("torch.", ""), layer_types=types,
                    graph_bytes=[g for g, _ in memory], working_bytes=[w for _, w in memory],
+                   mlp_graph_bytes=[g for g, _ in mlp], mlp_seconds=[t for _, t in mlp],
                    info={"analytic_flops": None if cuda else ANALYTIC_FLOPS, "working_set": src["forward_seconds"],
                          "spill_dir": spill_dir})
 

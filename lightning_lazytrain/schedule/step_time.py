@@ -3,8 +3,8 @@
 Forward of layer j: its compute ``rho_j`` or its weights' copy, whichever is longer (the copy of the next layer
 runs beside it). Backward of layer j: forward-with-grad + backward, ``(1 + backward_factor) rho_j``, against the
 weights' second copy and the gradient's copy back; a layer that keeps its graph skips the forward-with-grad and the
-second copy. Then the head, the plan's exposed seconds (re-forwards + transfers the links cannot hide, as the MILP
-charges them) and the optimizer update.
+second copy (one that re-runs its MLP adds the MLP's forward). Then the head, the plan's exposed seconds
+(re-forwards + transfers the links cannot hide, as the MILP charges them) and the optimizer update.
 
 The update is counted as exposed in full: the measured H200 steps waited for nearly all of it (1.14 of 1.27 s of
 update work at 7B batch 64, 0.54 of 0.67 s at 3B batch 8; benchmarks/results/h200.json), because it can start
@@ -53,6 +53,8 @@ def predict_step(
         forward += max(rho, copy)
         kept = schedule.keep_graph[j]
         compute = (backward_factor if kept else 1.0 + backward_factor) * rho
+        if schedule.mlp_recompute[j]:  # the MLP's re-run in the layer's backward
+            compute += profile.mlp_seconds[j] if profile.mlp_seconds else rho
         backward += max(compute, 0.0 if kept else copy, nbytes * grad_scale / d2h)
     return StepPrediction(
         forward_s=forward,
