@@ -6,7 +6,8 @@ Run (pin it to two cores, as the target says):
 The problem is what ``planner.solve_plan`` builds on the CPU, for the Qwen3.6-27B shape (``NAMED_SHAPES``) built
 on the meta device: `analytic_profile` for the H200 (times from FLOPs, the published link figures) with the
 per-layer graph and working-set bytes of `analytic_layer_memory` (what `profile_model` gives off CUDA), every
-option that enlarges it on: per-layer kept graphs (one binary per layer), the device total with slots and each
+option that enlarges it on: per-layer kept graphs (two binaries per layer: the whole graph, or the graph with
+the MLP re-run), the device total with slots and each
 block's working set, ``max_recompute_span`` 4 (the strategy's default) and 8, and both transfer models (the paper's
 aggregated windows, the default; ``engine_windows=True``, the engine's rules). The update-placement MILP
 (`milp_updates.py`, one binary per streamed unit) is solved for the same shape and timed on its own: it shares no
@@ -32,7 +33,10 @@ from lightning_lazytrain.models.adapter import adapter_for  # noqa: E402
 from lightning_lazytrain.schedule import build_problem, solve  # noqa: E402
 from lightning_lazytrain.schedule.analytic import analytic_profile, gpu_layout  # noqa: E402
 from lightning_lazytrain.schedule.gpus import gpu_spec  # noqa: E402
-from lightning_lazytrain.schedule.layer_memory import analytic_layer_memory  # noqa: E402
+from lightning_lazytrain.schedule.layer_memory import (  # noqa: E402
+    analytic_layer_memory,
+    analytic_mlp_recompute_graph,
+)
 from lightning_lazytrain.schedule.milp_updates import UpdateProblem, solve_updates  # noqa: E402
 from lightning_lazytrain.sft.plan_model import _named, meta_model  # noqa: E402
 from lightning_lazytrain.units import GIB  # noqa: E402
@@ -57,6 +61,11 @@ def problem_for(adapter, batch: int, cap_gib: float, cpu_gib: float, nvme_gib: f
     memory = [analytic_layer_memory(config, types[j], tokens, 2, profile.param_bytes[j])
               for j in range(adapter.num_layers)]
     profile.graph_bytes, profile.working_bytes = [g for g, _ in memory], [w for _, w in memory]
+    # the MLP re-run choice (a second binary per layer): its graph, and the MLP's share of the layer's FLOPs
+    rate = profile.info["achieved_tflops"] * 1e12
+    profile.mlp_graph_bytes = [analytic_mlp_recompute_graph(config, t, tokens, 2) for t in types]
+    profile.mlp_seconds = [2.0 * sum(p.numel() for p in layer.mlp.parameters()) * tokens / rate
+                           for layer in adapter.layers]
     layout = gpu_layout(adapter, batch, SEQ)
     total = int(0.95 * (cap_gib * GIB - layout.resident_bytes))
     head = 3 * (1 << 29) + 2 * profile.activation_bytes[-1]  # planner.solve_plan's head working set
@@ -115,9 +124,10 @@ def main() -> None:
                             "binaries": s.info["num_binaries"], "solve_seconds": round(wall, 3),
                             "build_seconds": s.info["build_seconds"], "status": s.status, "gap": s.info["mip_gap"],
                             "objective": s.objective, "predicted_exposed_seconds": s.predicted_exposed_seconds,
-                            "counts": s.counts(), "kept_graphs": sum(s.keep_graph)}
+                            "counts": s.counts(), "kept_graphs": sum(s.keep_graph),
+                            "mlp_recompute": sum(s.mlp_recompute)}
             print(f"{key}: {wall:.2f} s {s.status} gap {s.info['mip_gap']:.4f} binaries {s.info['num_binaries']}"
-                  f" counts {s.counts()} kept {sum(s.keep_graph)}", flush=True)
+                  f" counts {s.counts()} kept {sum(s.keep_graph)} (mlp re-run {sum(s.mlp_recompute)})", flush=True)
         if f"b{batch}-update-placement" in results:
             continue
         up = update_problem(adapter, batch)
