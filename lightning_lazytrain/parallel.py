@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Any
@@ -39,10 +39,10 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
+from lightning_lazytrain import node_load
 from lightning_lazytrain.checkpoint import sharded as sharded_checkpoint
 from lightning_lazytrain.engine import StreamingExecutor
 from lightning_lazytrain.engine.updates.paths import UpdatePath, direct_path, host_path, sharded_path
-from lightning_lazytrain.engine.weights.shared_store import SharedParamStore
 from lightning_lazytrain.engine.weights.store import HostParamStore
 from lightning_lazytrain.engine.weights.topology import Topology, build_topology
 from lightning_lazytrain.optim.hybrid_adamw import defer_state_allocation
@@ -150,11 +150,20 @@ class ProcessGroupStrategy(ParallelStrategy):
             torch.distributed.broadcast_object_list(box, src)
         return box[0]
 
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+        """Where ``configure_model`` and ``Trainer.init_module`` build: on the host (the engine streams from host
+        memory), and on the meta device on a machine's other local ranks, so each machine loads the weights once
+        (local rank 0) and the others map its shared copy at setup (``node_load.py``)."""
+        empty = self.distributed and self.local_rank > 0
+        with node_load.init_context(empty), self.precision_plugin.tensor_init_context():
+            yield
+
     @property
     def store_factory(self) -> Callable[..., HostParamStore]:
         """One process: a private host store; several: the machine's shared streamed copy, masters sharded."""
         if self.distributed:
-            return functools.partial(SharedParamStore, topology=self.topology)
+            return functools.partial(node_load.node_store, topology=self.topology, module=self.lightning_module)
         return HostParamStore
 
     def optimizer_setup(self) -> AbstractContextManager[None]:

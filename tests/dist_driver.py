@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import signal
+import threading
 import time
 
 import lightning.pytorch as pl
@@ -25,6 +26,51 @@ from lightning_lazytrain.optim import HybridAdamW
 class HybridModule(LMModule):
     def configure_optimizers(self):
         return HybridAdamW(self.parameters(), lr=self.lr, weight_decay=0.01, eight_bit_fraction=0.0)
+
+
+class AnonPeak:
+    """The peak growth of this process's anonymous memory (RssAnon: not the shared-memory copy it maps) from start()
+    to stop(), sampled every 2 ms on a thread."""
+
+    def __init__(self) -> None:
+        self.base = self.peak = _rss_anon()
+        self.running = True
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+
+    def _sample(self) -> None:
+        while self.running:
+            self.peak = max(self.peak, _rss_anon())
+            time.sleep(0.002)
+
+    def stop(self) -> int:
+        self.running = False
+        self.thread.join()
+        return max(self.peak, _rss_anon()) - self.base
+
+
+def _rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+
+class ConfiguredModule(HybridModule):
+    """Builds its model in configure_model, inside the strategy's context (one load per machine)."""
+
+    def __init__(self, vocab: int, peak: AnonPeak) -> None:
+        super().__init__(None)
+        self.vocab, self.peak = vocab, peak
+        self.built_on: list[str] = []
+        self.peak_growth = 0
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = tiny_model("qwen2", vocab_size=self.vocab)
+            self.built_on = sorted({p.device.type for p in self.model.parameters()})
+
+    def configure_optimizers(self):
+        self.peak_growth = self.peak.stop()  # the store is built: the load is over, shards come next
+        return super().configure_optimizers()
 
 
 class Probe(pl.Callback):
@@ -88,7 +134,10 @@ def main() -> None:
     parser.add_argument("--die-step", type=int, default=1)
     parser.add_argument("--hang", action="store_true", help="the --die-rank process stops instead of exiting")
     parser.add_argument("--timeout-s", type=float, default=600.0)
+    parser.add_argument("--configure-model-vocab", type=int, default=None,
+                        help="build the model in configure_model, with this vocabulary (its size sets the model's)")
     args = parser.parse_args()
+    peak = AnonPeak()
     probe = Probe()
     callbacks: list[pl.Callback] = [probe]
     if args.ckpt_dir:
@@ -96,7 +145,8 @@ def main() -> None:
     if args.die_rank is not None:
         callbacks.append(DieAt(args.die_rank, args.die_step, args.hang))
     strategy = LazyTrainStrategy(force_distributed=args.force_distributed, timeout_s=args.timeout_s)
-    module = HybridModule(tiny_model("qwen2"))
+    vocab = args.configure_model_vocab
+    module = ConfiguredModule(vocab, peak) if vocab else HybridModule(tiny_model("qwen2"))
     trainer = pl.Trainer(
         accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
         precision=args.precision, max_steps=args.steps, gradient_clip_val=args.clip, logger=False,
@@ -111,6 +161,9 @@ def main() -> None:
     rank = trainer.global_rank
     if rank == 0:
         torch.save({k: v.clone() for k, v in module.model.state_dict().items()}, os.path.join(args.out, "weights.pt"))
+    if vocab:
+        torch.save(dict(module.model.named_buffers()), os.path.join(args.out, f"buffers_{rank}.pt"))
+        probe.info.update(built_on=module.built_on, peak_anon_growth=module.peak_growth)
     with open(os.path.join(args.out, f"rank_{rank}.json"), "w") as f:
         json.dump({"losses": module.losses, **probe.info}, f)
     torch.distributed.barrier()  # rank 0 must not return before the others wrote their files

@@ -64,7 +64,8 @@ class SharedParamStore(HostParamStore):
     def _build_units(self, groups: list[tuple[str, list[nn.Module]]]) -> list[ParamUnit]:
         topology = self.topology
         flat = [collect_entries(mods) for _, mods in groups]
-        _check_same_weights([label for label, _ in groups], [u for _, u, _ in flat], topology)
+        # ranks of this machine that built the model on the meta device (node_load.py) take local rank 0's weights
+        self.node_empty = _check_same_weights([label for label, _ in groups], [u for _, u, _ in flat], topology)
         self.layouts: list[ShardLayout] = []
         end = 0
         for _, _, total in flat:
@@ -75,8 +76,11 @@ class SharedParamStore(HostParamStore):
         self.shared = self._open_shared(end, [u for _, u, _ in flat], self.shm_dir)
         if self.pinned.enabled and not self.pinned.register(self.shared):
             log.warning("lazytrain: could not pin the shared streamed copy; weight copies to the GPU will be slower")
-        return [self._shared_unit(i, label, entries, unique)
-                for i, ((label, _), (entries, unique, _)) in enumerate(zip(groups, flat))]
+        staging = self._open_staging() if self.node_empty and not self.masters_are_shared else None
+        units = [self._shared_unit(i, label, entries, unique, staging)
+                 for i, ((label, _), (entries, unique, _)) in enumerate(zip(groups, flat))]
+        topology.local_barrier()  # every rank copied its master shards out of the staging file before it goes
+        return units
 
     @property
     def shared_bytes(self) -> int:
@@ -112,11 +116,14 @@ class SharedParamStore(HostParamStore):
             os.unlink(self.path)
         return shared
 
-    def _shared_unit(self, index: int, label: str, entries: list[ParamEntry], unique: list[ParamEntry]) -> ParamUnit:
+    def _shared_unit(self, index: int, label: str, entries: list[ParamEntry], unique: list[ParamEntry],
+                     staging: torch.Tensor | None) -> ParamUnit:
         lay = self.layouts[index]
         padded = self.shared[lay.file_offset : lay.file_offset + lay.padded]
         if self.masters_are_shared:
             master = padded[lay.start : lay.stop]
+        elif staging is not None:
+            master = self._staged_master(lay, unique, staging)
         else:
             master = torch.zeros(lay.shard, dtype=self.master_dtype)
             for e in unique:
@@ -126,9 +133,34 @@ class SharedParamStore(HostParamStore):
                     skip = lay.start - e.offset  # where the shard starts in the parameter's own elements
                     master[lo:hi].copy_(e.param.data.reshape(-1)[lo + skip : hi + skip])
         stream = padded[: lay.numel]
-        for e in unique:
-            e.param.data = stream[e.offset : e.offset + e.numel].view(e.shape)
+        _bind(entries, unique, stream)
         return ParamUnit(index, label, entries, lay.numel, master, stream, unique=unique)
+
+    def _open_staging(self) -> torch.Tensor:
+        """A shared file of one unit in the master dtype: local rank 0 writes each unit's full-precision weights
+        there in turn and every rank copies its master shard out (the streamed copy may be bf16, too coarse)."""
+        topo = self.topology
+        path = f"{self.path[: -len('.bin')]}-masters.bin"
+        numel = max(lay.padded for lay in self.layouts)
+        if topo.local_rank == 0:
+            _reserve(path, numel * self.master_dtype.itemsize)
+        topo.local_barrier()
+        staging = torch.from_file(path, shared=True, size=numel, dtype=self.master_dtype)
+        topo.local_barrier()
+        if topo.local_rank == 0:
+            os.unlink(path)
+        return staging
+
+    def _staged_master(self, lay: ShardLayout, unique: list[ParamEntry], staging: torch.Tensor) -> torch.Tensor:
+        topo = self.topology
+        if topo.local_rank == 0:
+            staging[lay.numel : lay.padded].zero_()
+            for e in unique:
+                staging[e.offset : e.offset + e.numel].copy_(e.param.data.reshape(-1))
+        topo.local_barrier()
+        master = staging[lay.start : lay.stop].clone()
+        topo.local_barrier()  # local rank 0 writes the next unit only after every rank took this one
+        return master
 
     def publish(self, unit: ParamUnit) -> None:
         """Make this machine's copy of ``unit`` whole after every rank wrote its own shard into its machine's copy."""
@@ -194,16 +226,43 @@ def _reserve(path: str, nbytes: int) -> None:
     os.close(fd)
 
 
-def _check_same_weights(labels: list[str], units: list[list[ParamEntry]], topo: Topology) -> None:
-    """Every rank must start from the same weights (each slices its own shard from them): compare checksums."""
-    sums = torch.tensor([[sum(float(e.param.data.double().sum()) for e in u),
-                          sum(float(e.param.data.double().square().sum()) for e in u)] for u in units],
+def _bind(entries: list[ParamEntry], unique: list[ParamEntry], stream: torch.Tensor) -> None:
+    """Point the parameters at their place in the streamed copy. A parameter on the meta device cannot take CPU
+    data, so it is replaced by a new Parameter in every slot it fills (tied weights stay one parameter)."""
+    fresh: dict[int, nn.Parameter] = {}
+    for e in unique:
+        view = stream[e.offset : e.offset + e.numel].view(e.shape)
+        if e.param.is_meta:
+            fresh[e.uid] = nn.Parameter(view, requires_grad=e.param.requires_grad)
+        else:
+            e.param.data = view
+    for e in [*unique, *entries] if fresh else []:
+        if e.uid in fresh:
+            e.param = e.module._parameters[e.name] = fresh[e.uid]
+
+
+def _check_same_weights(labels: list[str], units: list[list[ParamEntry]], topo: Topology) -> bool:
+    """Every rank must start from the same weights (each slices its own shard from them): compare checksums.
+
+    A rank that built the model on the meta device has no weights to compare; it takes its machine's local rank 0
+    copy, which must be real. Returns whether such a rank is on this machine."""
+    empty = any(e.param.is_meta for u in units for e in u)
+    if empty and topo.local_rank == 0:
+        raise ValueError(f"local rank 0 of machine {topo.node_rank} holds the model on the meta device: it loads the"
+                         " weights for its machine, so build the model with weights there (only a machine's other"
+                         " ranks may build it empty, as lazytrain's configure_model context does)")
+    sums = torch.tensor([[0.0, 0.0, 1.0] if empty else
+                         [sum(float(e.param.data.double().sum()) for e in u),
+                          sum(float(e.param.data.double().square().sum()) for e in u), 0.0] for u in units],
                         dtype=torch.float64)
-    every = torch.empty((topo.world_size * sums.shape[0], 2), dtype=torch.float64)
+    every = torch.empty((topo.world_size * sums.shape[0], 3), dtype=torch.float64)
     all_gather_flat(every, sums, group=topo.host_group)
-    every = every.view(topo.world_size, -1, 2)
-    close = torch.isclose(every, every[0:1], rtol=1e-9, atol=1e-12).all(dim=2)
+    every = every.view(topo.world_size, -1, 3)
+    is_empty = every[:, :, 2] > 0
+    close = torch.isclose(every[:, :, :2], every[0:1, :, :2], rtol=1e-9, atol=1e-12).all(dim=2) | is_empty
     if not bool(close.all()):
         rank, unit = (int(i) for i in (~close).nonzero()[0])
         raise ValueError(f"rank {rank} starts from different weights than rank 0 (first in {labels[unit]}); seed the"
                          " model's initialisation (lightning.seed_everything) or load the same checkpoint everywhere")
+    first = topo.node_rank * topo.local_world
+    return bool(is_empty[first : first + topo.local_world].any())
