@@ -5,8 +5,9 @@ import shutil
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig
 
+from lightning_lazytrain.node_load import init_context
 from lightning_lazytrain.sft.model_loading import build_model
 from lightning_lazytrain.sft.module import CausalLMModule
 
@@ -88,5 +89,31 @@ def test_remote_code_is_off_unless_asked(tmp_path, monkeypatch):
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy)
     _saved(tmp_path / "local", seed=0)
-    CausalLMModule(pretrained=str(tmp_path / "local"), max_generate_samples=0)
+    CausalLMModule(pretrained=str(tmp_path / "local"), max_generate_samples=0).configure_model()
     assert seen["trust_remote_code"] is False and seen["local_files_only"] is True
+
+
+def test_empty_context_builds_the_saved_model_on_meta_without_reading_weights(tmp_path, monkeypatch):
+    """A machine's other ranks: the same architecture, dtype and generation config as from_pretrained, no weights."""
+    _saved(tmp_path / "local", seed=3)
+    GenerationConfig(max_new_tokens=7, repetition_penalty=1.3).save_pretrained(tmp_path / "local")
+    full = CausalLMModule(pretrained=str(tmp_path / "local"), dtype="bfloat16").model
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", None)  # it must not be called
+    with init_context(empty=True):
+        module = CausalLMModule(pretrained=str(tmp_path / "local"), dtype="bfloat16")
+        module.configure_model()
+    empty = module.model
+    assert {p.device.type for p in empty.parameters()} == {"meta"}
+    assert empty.dtype == full.dtype == torch.bfloat16
+    assert list(empty.state_dict()) == list(full.state_dict())
+    assert {n: p.shape for n, p in empty.state_dict().items()} == {n: p.shape for n, p in full.state_dict().items()}
+    assert empty.generation_config.repetition_penalty == full.generation_config.repetition_penalty == 1.3
+    with init_context(empty=True):
+        random_init = CausalLMModule(model_config=TINY).model
+    assert {p.device.type for p in random_init.parameters()} == {"meta"}
+
+
+def test_from_pretrained_in_the_empty_context_names_the_fix(tmp_path):
+    _saved(tmp_path / "local", seed=0)
+    with pytest.raises(RuntimeError, match="lightning_lazytrain.node_load.load_pretrained"), init_context(empty=True):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "local")

@@ -15,6 +15,8 @@ from typing import Any, Literal
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from lightning_lazytrain.node_load import load_pretrained
+
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 
 # Published shapes of the recipe models, for random-init runs where no weights can be downloaded (the H200 image):
@@ -137,7 +139,8 @@ def build_model(
     if pretrained is not None:
         path, hub = _source(pretrained, revision, cache_dir, local_files_only)
         try:
-            return AutoModelForCausalLM.from_pretrained(
+            # on a machine's other ranks under lazytrain this reads the config only (node_load.py)
+            return load_pretrained(
                 path, dtype=_torch_dtype(dtype) or "auto", trust_remote_code=trust_remote_code, **hub, **attn
             )
         except OSError as exc:

@@ -90,8 +90,6 @@ class CausalLMModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.model: PreTrainedModel = build_model(pretrained, model_config, dtype, trust_remote_code,
-                                                  attn_implementation, revision, cache_dir, local_files_only)
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._prompts = EvalPrompts()
 
@@ -116,11 +114,27 @@ class CausalLMModule(pl.LightningModule):
             return path
         return None
 
-    def setup(self, stage: str) -> None:
-        vocab = self.model.get_input_embeddings().num_embeddings
-        if len(self.tokenizer) > vocab:
-            raise ValueError(f"tokenizer has {len(self.tokenizer)} tokens but the model's embedding only {vocab}; "
-                             "set model_config.vocab_size to at least the tokenizer length")
+    # -- the model: built in configure_model, so lazytrain loads it once per machine ---------------------------------
+    @property
+    def model(self) -> PreTrainedModel:
+        """The HF model (``state_dict`` keys ``model.*``); used outside a Trainer, it is built on first use."""
+        if "model" not in self._modules:
+            self.configure_model()
+        return self._modules["model"]
+
+    def configure_model(self) -> None:
+        """Build the model once. The Trainer calls this inside its strategy's context: with lazytrain and several
+        processes that is the meta device on a machine's other ranks, which then map local rank 0's weights."""
+        if "model" not in self._modules:
+            hp = self.hparams
+            # nn.Module.__setattr__ files a module under _modules, where the property above reads it
+            self.model = build_model(hp.pretrained, hp.model_config, hp.dtype, hp.trust_remote_code,
+                                     hp.attn_implementation, hp.revision, hp.cache_dir, hp.local_files_only)
+        if self._trainer is not None:  # the tokenizer is the datamodule's only once a Trainer runs the module
+            vocab = self.model.get_input_embeddings().num_embeddings
+            if len(self.tokenizer) > vocab:
+                raise ValueError(f"tokenizer has {len(self.tokenizer)} tokens but the model's embedding only {vocab};"
+                                 " set model_config.vocab_size to at least the tokenizer length")
 
     # -- training -----------------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
