@@ -3,7 +3,8 @@
 Started once without LOCAL_RANK, Lightning's subprocess launcher re-runs this script for the other local ranks,
 as it does for any user script; started by the test with LOCAL_RANK / NODE_RANK set, it is one "machine" of a
 multi-node run. Every rank writes ``rank_<r>.json`` (losses, what its streamed copy maps, the admission pieces);
-rank 0 also writes the final weights.
+rank 0 also writes the final weights. With ``--configure-model-vocab`` the module builds its model in
+``configure_model`` (one load per machine) and every rank also writes its buffers and what loading cost it.
 """
 
 from __future__ import annotations

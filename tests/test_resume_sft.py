@@ -48,8 +48,10 @@ def data():
 @pytest.fixture(scope="module")
 def start():
     torch.manual_seed(0)
-    return CausalLMModule(model_config=TINY, optimizer="lightning_lazytrain.optim.HybridAdamW", lr=1e-3,
-                          optimizer_kwargs={"eight_bit_fraction": 1.0}, warmup_steps=2)
+    module = CausalLMModule(model_config=TINY, optimizer="lightning_lazytrain.optim.HybridAdamW", lr=1e-3,
+                            optimizer_kwargs={"eight_bit_fraction": 1.0}, warmup_steps=2)
+    module.configure_model()  # built now, under the seed: the three runs' copies start from the same weights
+    return module
 
 
 def test_sft_resume_mid_epoch_matches_unbroken(tmp_path, data, start):
