@@ -22,6 +22,12 @@ from helpers import LMModule, batches, loader, tiny_model
 
 from lightning_lazytrain import LazyTrainStrategy
 from lightning_lazytrain.optim import HybridAdamW
+from lightning_lazytrain.sft.module import CausalLMModule
+
+HYBRID = "lightning_lazytrain.optim.HybridAdamW"
+# the offline Qwen tokenizer's 151669 tokens need a vocabulary at least that large
+SFT_SHAPE = dict(model_type="qwen2", hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, max_position_embeddings=64)
 
 
 class HybridModule(LMModule):
@@ -71,6 +77,26 @@ class ConfiguredModule(HybridModule):
 
     def configure_optimizers(self):
         self.peak_growth = self.peak.stop()  # the store is built: the load is over, shards come next
+        return super().configure_optimizers()
+
+
+class SFTModule(CausalLMModule):
+    """The recipe's module, which builds its model in configure_model; it records where that put the weights."""
+
+    def __init__(self, vocab: int) -> None:  # save_hyperparameters reads these arguments: no AnonPeak (a thread)
+        super().__init__(model_config={**SFT_SHAPE, "vocab_size": vocab}, optimizer=HYBRID, lr=1e-3,
+                         optimizer_kwargs={"eight_bit_fraction": 0.0}, max_generate_samples=0)
+        self.peak: AnonPeak | None = None
+        self.built_on: list[str] = []
+        self.peak_growth = 0
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        self.built_on = self.built_on or sorted({p.device.type for p in self.model.parameters()})
+
+    def configure_optimizers(self):
+        assert self.peak is not None
+        self.peak_growth = self.peak.stop()
         return super().configure_optimizers()
 
 
@@ -137,6 +163,7 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--configure-model-vocab", type=int, default=None,
                         help="build the model in configure_model, with this vocabulary (its size sets the model's)")
+    parser.add_argument("--sft", action="store_true", help="with --configure-model-vocab: the recipe's module")
     args = parser.parse_args()
     peak = AnonPeak()
     probe = Probe()
@@ -147,7 +174,11 @@ def main() -> None:
         callbacks.append(DieAt(args.die_rank, args.die_step, args.hang))
     strategy = LazyTrainStrategy(force_distributed=args.force_distributed, timeout_s=args.timeout_s)
     vocab = args.configure_model_vocab
-    module = ConfiguredModule(vocab, peak) if vocab else HybridModule(tiny_model("qwen2"))
+    if vocab:
+        module = SFTModule(vocab) if args.sft else ConfiguredModule(vocab, peak)
+        module.peak = peak
+    else:
+        module = HybridModule(tiny_model("qwen2"))
     trainer = pl.Trainer(
         accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
         precision=args.precision, max_steps=args.steps, gradient_clip_val=args.clip, logger=False,
@@ -157,7 +188,7 @@ def main() -> None:
     )
     # Lightning's DistributedSampler always shuffles training data; for a reference run to compare with, rank r
     # takes batches r, r + N of 4 batches of 2 itself, so step k of every epoch sees batches 2k and 2k + 1.
-    mine = batches(4)[trainer.global_rank :: trainer.world_size]
+    mine = batches(4, padded=args.sft)[trainer.global_rank :: trainer.world_size]  # the recipe reads the mask
     trainer.fit(module, loader(mine), ckpt_path=args.resume)
     rank = trainer.global_rank
     if rank == 0:
@@ -166,7 +197,7 @@ def main() -> None:
         torch.save(dict(module.model.named_buffers()), os.path.join(args.out, f"buffers_{rank}.pt"))
         probe.info.update(built_on=module.built_on, peak_anon_growth=module.peak_growth)
     with open(os.path.join(args.out, f"rank_{rank}.json"), "w") as f:
-        json.dump({"losses": module.losses, **probe.info}, f)
+        json.dump({"losses": getattr(module, "losses", []), **probe.info}, f)
     torch.distributed.barrier()  # rank 0 must not return before the others wrote their files
 
 

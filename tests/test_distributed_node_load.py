@@ -93,3 +93,14 @@ def test_bf16_mixed_master_shards_come_from_local_rank_0s_fp32_weights(tmp_path)
     assert all(init[k].dtype == torch.float32 for k in init)
     assert any(not torch.equal(init[k], start[k]) for k in init), "the run must have moved the masters"
     assert all(torch.equal(configured[k], init[k]) for k in init)
+
+
+def test_the_recipe_module_builds_on_meta_on_local_rank_1(tmp_path):
+    """CausalLMModule builds in configure_model: nothing before it (its setup hook, Lightning's) touches the model."""
+    run = launch(tmp_path, "--steps", "1", "--configure-model-vocab", "151669", "--sft")
+    infos = [_info(run, r) for r in (0, 1)]
+    assert infos[0]["built_on"] == ["cpu"] and infos[1]["built_on"] == ["meta"]
+    assert all(info["params_view_shared"] for info in infos)
+    buffers = [torch.load(run / f"buffers_{r}.pt") for r in (0, 1)]
+    assert "model.rotary_emb.inv_freq" in buffers[0]
+    assert all(torch.equal(buffers[1][k], v) for k, v in buffers[0].items())
