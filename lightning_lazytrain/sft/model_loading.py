@@ -118,6 +118,12 @@ def _where(hub: dict[str, Any]) -> str:
     return " (" + ", ".join(words) + ")"
 
 
+def check_source(pretrained: str | None, model_config: dict[str, Any] | str | None) -> None:
+    """Refuse a module without exactly one model source when it is made, not only when the model is built."""
+    if (pretrained is None) == (model_config is None):
+        raise ValueError("give exactly one of `pretrained` (weights) or `model_config` (random init)")
+
+
 def build_model(
     pretrained: str | None = None,
     model_config: dict[str, Any] | str | None = None,
@@ -133,8 +139,7 @@ def build_model(
     ``model_config`` is a dict with ``model_type`` and config fields, a name in :data:`NAMED_SHAPES`, or a config
     path/hub name. ``revision``, ``cache_dir`` and ``local_files_only`` apply to hub names (the module docstring).
     """
-    if (pretrained is None) == (model_config is None):
-        raise ValueError("give exactly one of `pretrained` (weights) or `model_config` (random init)")
+    check_source(pretrained, model_config)
     attn = {"attn_implementation": attn_implementation} if attn_implementation else {}
     if pretrained is not None:
         path, hub = _source(pretrained, revision, cache_dir, local_files_only)

@@ -22,7 +22,7 @@ from lightning_lazytrain.sft.data.examples import IGNORE_INDEX
 from lightning_lazytrain.sft.data.packing import model_inputs
 from lightning_lazytrain.sft.data.tokenizer import end_of_turn_id, load_tokenizer
 from lightning_lazytrain.sft.eval_prompts import EvalPrompts, new_token_count
-from lightning_lazytrain.sft.model_loading import NAMED_SHAPES, DTypeName, build_model
+from lightning_lazytrain.sft.model_loading import NAMED_SHAPES, DTypeName, build_model, check_source
 
 __all__ = ["NAMED_SHAPES", "CausalLMModule", "build_model", "warmup_cosine"]
 
@@ -90,6 +90,7 @@ class CausalLMModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        check_source(pretrained, model_config)  # the model itself is built in configure_model
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._prompts = EvalPrompts()
 
