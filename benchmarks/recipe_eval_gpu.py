@@ -88,7 +88,8 @@ def _cli_args(args, timer_path: str, run_dir: str) -> list[str]:
            "--model.max_new_tokens", str(args.new_tokens), "--model.max_generate_samples", str(args.prompts),
            "--data.data_path", "demo", "--data.packing", "true", "--data.batch_size", str(args.batch_size),
            "--data.max_eval_samples", str(args.prompts), "--data.eval_batch_size", "16",
-           "--trainer.max_steps", str(args.steps), "--trainer.max_epochs", "-1", "--trainer.val_check_interval", str(args.steps),
+           "--trainer.max_steps", str(args.steps), "--trainer.max_epochs", "-1",
+           "--trainer.val_check_interval", str(args.steps),
            "--trainer.check_val_every_n_epoch", "null", "--trainer.num_sanity_val_steps", "0",
            "--trainer.enable_checkpointing", "false", "--trainer.enable_progress_bar", "false",
            "--trainer.logger.init_args.save_dir", run_dir, "--trainer.callbacks", json.dumps(callbacks)]

@@ -2,6 +2,7 @@
 
 import copy
 import dataclasses
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -129,3 +130,27 @@ def test_training_after_evaluation_matches_plain_lightning(mode):
 def test_generation_mode_is_checked():
     with pytest.raises(ValueError, match="generation must be one of"):
         LazyTrainStrategy(generation="fast")
+
+
+def test_hf_device_mismatch_warning_is_not_raised_through_the_strategy(monkeypatch):
+    """HF warns when the inputs' device type differs from ``model.device``; under lazytrain the weights live on the
+    host by design while the layers run on the executor's device, so the warning would be wrong at every
+    evaluation. On the CPU the devices agree, so HF's generate is made to warn as it does on a GPU."""
+    model = tiny_model("qwen2")
+    real = type(model).generate
+    message = ("You are calling .generate() with the `input_ids` being on a device type different than your"
+               " model's device.")
+
+    def warning_generate(self, *args, **kwargs):
+        warnings.warn(message, UserWarning, stacklevel=2)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "generate", warning_generate)
+    ids, mask = _prompts()
+    with pytest.warns(UserWarning, match="being on a device type different"):
+        copy.deepcopy(model).generate(ids, attention_mask=mask, **GREEDY)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, _ = _lazytrain_generate(model, ids, mask, "resident")
+    assert not [w for w in caught if "being on a device type different" in str(w.message)]
+    assert torch.equal(out, copy.deepcopy(model).generate(ids, attention_mask=mask, **GREEDY))

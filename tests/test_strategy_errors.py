@@ -134,5 +134,6 @@ def test_demo_loss_falls(capsys):
 
 @pytest.mark.parametrize("share", [-0.1, 1.5, "auto"])
 def test_device_update_share_out_of_range_names_the_range(share):
-    with pytest.raises(ValueError, match=r"device_update_share must be in \[0, 1\], 'plan' \(the MILP's split\) or None"):
+    expected = r"device_update_share must be in \[0, 1\], 'plan' \(the MILP's split\) or None"
+    with pytest.raises(ValueError, match=expected):
         LazyTrainStrategy(device_update_share=share)
