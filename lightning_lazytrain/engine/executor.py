@@ -111,7 +111,7 @@ class StreamingExecutor:
             self.pool = None
             self._check_device_fits(slots, self.slot_numel, self.store.stream_dtype)
             try:
-                self.pool = SlotPool(self.queues, slots, self.slot_numel, self.store.stream_dtype)
+                self.pool = SlotPool(self.queues, self.store.versions, slots, self.slot_numel, self.store.stream_dtype)
             except torch.OutOfMemoryError as err:
                 raise DeviceTooSmallError(self._slots_message(slots, self.slot_numel, self.store.stream_dtype)) from err
         self.homes = ActivationHomes(self.queues, plan.tiers, self.store.pinned, self.spill_dir, self.timeout_s)
@@ -155,14 +155,15 @@ class StreamingExecutor:
     def resident_tensors(self) -> list[torch.Tensor]:
         """The device copy of embedding/norm/head as autograd leaves, re-uploaded after the masters changed."""
         unit = self.resident_unit
-        unit.refresh_stream()
-        if self._resident_leaves is None or self._resident_generation != unit.generation:
+        versions = self.store.versions
+        versions.refresh(unit)
+        if self._resident_leaves is None or self._resident_generation != versions.generation[unit.index]:
             # A validation loop may be first to run, under inference mode; these leaves must outlive it.
             with torch.inference_mode(False):
                 self._resident_buf.copy_(unit.stream, non_blocking=True)
                 views = [self._resident_buf[e.offset : e.offset + e.numel].view(e.shape) for e in unit.unique]
                 self._resident_leaves = leaves_of(views, unit)
-            self._resident_generation = unit.generation
+            self._resident_generation = versions.generation[unit.index]
         return self._resident_leaves
 
     def run_stack(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -191,7 +192,7 @@ class StreamingExecutor:
 
     def after_optimizer_step(self) -> None:
         if self.updates is None:
-            self.store.mark_dirty()
+            self.store.versions.masters_changed()
 
     def direct_step(self, clip_val: float | None, guard: NonFiniteGuard, step: int) -> bool:
         """Queue this step's engine updates; False when a non-finite gradient norm skips the step."""
@@ -236,9 +237,7 @@ class StreamingExecutor:
         before, self._stats_mark = getattr(self, "_stats_mark", (0, 0, 0)), now
         copies, h2d, d2h = (a - b for a, b in zip(now, before))
         homes = self.homes.take_stats() if self.homes is not None else {}
-        waited = sum(u.update_wait_seconds for u in self.store.units)
-        for unit in self.store.units:
-            unit.update_wait_seconds = 0.0
+        waited = self.store.versions.take_wait_seconds()
         busy, device_busy = self.updates.take_busy_seconds() if self.updates is not None else (0.0, 0.0)
         gpu = self.queues.take_busy_idle_seconds()  # CUDA events; absent on the CPU
         gpu_stats = {} if gpu is None else {"gpu_layer_busy_s": gpu[0], "gpu_idle_s": gpu[1]}

@@ -36,14 +36,16 @@ from lightning_lazytrain.schedule.generation import (
 
 if TYPE_CHECKING:
     from lightning_lazytrain.engine.executor import StreamingExecutor
-    from lightning_lazytrain.engine.weights.store import ParamUnit
+    from lightning_lazytrain.engine.weights.layout import ParamUnit
+    from lightning_lazytrain.engine.weights.versions import WeightVersions
 
 
 class ResidentLayers:
     """Every decoder layer's streamed weights in one device buffer, refreshed when the masters changed."""
 
-    def __init__(self, units: list[ParamUnit], device: torch.device, dtype: torch.dtype) -> None:
-        self.units = units
+    def __init__(self, units: list[ParamUnit], versions: WeightVersions, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.units, self.versions = units, versions
         self.offsets = [0]
         for unit in units:
             self.offsets.append(self.offsets[-1] + unit.numel)
@@ -59,11 +61,11 @@ class ResidentLayers:
         """Copy the layers whose masters changed since the last copy (all of them the first time)."""
         with torch.inference_mode(False):
             for k, unit in enumerate(self.units):
-                unit.refresh_stream()  # waits for an optimizer update still running on a worker thread
-                if self.generations[k] != unit.generation:
+                self.versions.refresh(unit)  # waits for an optimizer update still running on a worker thread
+                if self.generations[k] != self.versions.generation[unit.index]:
                     start = self.offsets[k]
                     self.buffer[start : start + unit.numel].copy_(unit.stream, non_blocking=True)
-                    self.generations[k] = unit.generation
+                    self.generations[k] = self.versions.generation[unit.index]
 
     def views(self, k: int) -> list[torch.Tensor]:
         start = self.offsets[k]
@@ -160,7 +162,7 @@ class EvalGeneration:
     def _resident_generate(self, **kwargs: Any) -> Any:
         ex = self.executor
         if self.resident is None:
-            self.resident = ResidentLayers(ex.layer_units, ex.device, ex.store.stream_dtype)
+            self.resident = ResidentLayers(ex.layer_units, ex.store.versions, ex.device, ex.store.stream_dtype)
         self.resident.refresh()
         kwargs = {k: v.to(ex.device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         with self._bound_resident(), ex.unhooked():

@@ -21,7 +21,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from lightning_lazytrain.engine.loss import chunked_causal_lm_loss, chunked_token_accuracy
 from lightning_lazytrain.engine.stack import LayerCall
 from lightning_lazytrain.engine.weights.binding import bound
-from lightning_lazytrain.engine.weights.store import ParamUnit
+from lightning_lazytrain.engine.weights.layout import ParamUnit
 from lightning_lazytrain.models import ModelAdapter
 
 

@@ -21,8 +21,8 @@ from lightning_lazytrain.engine.mlp_recompute import checkpointed_mlp
 from lightning_lazytrain.engine.plan import Schedule
 from lightning_lazytrain.engine.rng import RngState, capture_rng, restore_rng, rng_fork
 from lightning_lazytrain.engine.weights.binding import bound, leaves_of
+from lightning_lazytrain.engine.weights.layout import ParamUnit
 from lightning_lazytrain.engine.weights.slots import Slot, SlotPool
-from lightning_lazytrain.engine.weights.store import ParamUnit
 
 
 class WeightGradSink(Protocol):

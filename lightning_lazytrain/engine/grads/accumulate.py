@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_lazytrain.engine.weights.store import ParamUnit
+from lightning_lazytrain.engine.weights.layout import ParamUnit
 
 
 @dataclass

@@ -13,7 +13,8 @@ import torch
 
 from lightning_lazytrain.engine.device import DeviceQueues
 from lightning_lazytrain.engine.grads.handoff import HandoffSink
-from lightning_lazytrain.engine.weights.store import HostParamStore, ParamUnit
+from lightning_lazytrain.engine.weights.layout import ParamUnit
+from lightning_lazytrain.engine.weights.store import HostParamStore
 from lightning_lazytrain.optim import grad_norm_sq
 
 
@@ -27,7 +28,7 @@ class DirectGradSink(HandoffSink):
             grads.host = None if flag else store.pinned.empty(unit.numel, dtype)
 
     def submit(self, unit: ParamUnit, grads: list[torch.Tensor | None]) -> None:
-        unit.await_update()
+        self.store.versions.wait(unit)  # its update reads the gradient buffer this overwrites
         self._add_norm(grad_norm_sq(grads).to(self.queues.device))
         handoff = self.of(unit)
         ready = self.queues.record()

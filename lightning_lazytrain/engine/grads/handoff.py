@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from lightning_lazytrain.engine.device import DeviceQueues
-from lightning_lazytrain.engine.weights.store import HostParamStore, ParamUnit
+from lightning_lazytrain.engine.weights.layout import ParamUnit
+from lightning_lazytrain.engine.weights.store import HostParamStore
 
 
 @dataclass

@@ -16,7 +16,8 @@ import torch
 
 from lightning_lazytrain.engine.device import DeviceQueues, host_wait
 from lightning_lazytrain.engine.grads.accumulate import HostAccumulators
-from lightning_lazytrain.engine.weights.store import HostParamStore, ParamUnit
+from lightning_lazytrain.engine.weights.layout import ParamUnit
+from lightning_lazytrain.engine.weights.store import HostParamStore
 
 
 @dataclass

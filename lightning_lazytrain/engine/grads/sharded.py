@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from lightning_lazytrain.engine.device import DeviceQueues
 from lightning_lazytrain.engine.grads.handoff import HandoffSink
+from lightning_lazytrain.engine.weights.layout import ParamUnit
 from lightning_lazytrain.engine.weights.shared_store import SharedParamStore
-from lightning_lazytrain.engine.weights.store import ParamUnit
 from lightning_lazytrain.engine.weights.topology import reduce_scatter_flat
 from lightning_lazytrain.optim import grad_norm_sq
 
@@ -33,7 +33,7 @@ class ShardedGradSink(HandoffSink):
         self._in_flight: list[tuple[ParamUnit, dist.Work]] = []
 
     def submit(self, unit: ParamUnit, grads: list[torch.Tensor | None]) -> None:
-        unit.await_update()
+        self.store.versions.wait(unit)  # its update reads the gradient buffer this overwrites
         lay = self.store.layouts[unit.index]
         handoff = self.of(unit)
         device = self.queues.device

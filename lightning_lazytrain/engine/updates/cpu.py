@@ -3,7 +3,8 @@
 Units are queued in the order the next forward needs them (embedding/head first, then layer 0, 1, ...), so the
 forward of layer ``i`` only waits for update ``i`` while later updates still run: the CPU update hides behind the
 GPU's next forward. Each job first waits for its unit's gradient copy, then runs the fused update, which also writes
-the bf16 streamed copy; bumping the unit's generation tells the weight slots their copy is stale.
+the bf16 streamed copy; ``WeightVersions.written`` then tells the weight slots their copy is stale, and every reader
+of the unit waits for the job first (``WeightVersions.hold``).
 """
 
 from __future__ import annotations
@@ -17,20 +18,22 @@ import torch
 from lightning_lazytrain.engine.device import host_wait
 from lightning_lazytrain.engine.grads.handoff import HandoffSink
 from lightning_lazytrain.engine.updates.device import DeviceUpdatePath
-from lightning_lazytrain.engine.weights.store import ParamUnit
+from lightning_lazytrain.engine.weights.layout import ParamUnit
+from lightning_lazytrain.engine.weights.versions import WeightVersions
 from lightning_lazytrain.optim import managed_ids
 
 
 class UnitUpdateQueue:
     """The worker thread and the ordering shared by every update queue; subclasses say what one unit's job is."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, units: list[ParamUnit], sink: HandoffSink,
+    def __init__(self, optimizer: torch.optim.Optimizer, versions: WeightVersions, sink: HandoffSink,
                  timeout_s: float) -> None:
         self.optimizer = optimizer
-        self.units = units
+        self.versions = versions  # the store's: a queued job holds its unit until it has written it
+        self.units = versions.units
         self.sink = sink  # the path's sink: it hands each unit's gradients over (``grads/handoff.py``)
         self.timeout_s = timeout_s
-        self._busy = {unit.index: 0.0 for unit in units}
+        self._busy = {unit.index: 0.0 for unit in self.units}
         self._busy_lock = threading.Lock()  # two workers add while the main thread takes and resets
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-update")
 
@@ -43,14 +46,13 @@ class UnitUpdateQueue:
             if not grads.fresh:
                 continue
             grads.fresh = False
-            unit.await_update()
-            unit.pending_update = self._pool_for(unit).submit(self._timed, unit, coef, lr_of)
+            self.versions.hold(unit, self._pool_for(unit).submit(self._timed, unit, coef, lr_of))
 
     def _pool_for(self, unit: ParamUnit) -> ThreadPoolExecutor:
         return self._pool
 
     def _timed(self, unit: ParamUnit, coef: float, lr_of: dict[int, float]) -> None:
-        # the worker's own time (gradient wait included): with update_wait_seconds it says how much was hidden
+        # the worker's own time (gradient wait included): with the versions' wait it says how much was hidden
         start = time.perf_counter()
         try:
             self._run(unit, coef, lr_of)
@@ -70,8 +72,7 @@ class UnitUpdateQueue:
         raise NotImplementedError
 
     def wait_all(self) -> None:
-        for unit in self.units:
-            unit.await_update(self.timeout_s)
+        self.versions.wait_all(self.timeout_s)
 
     def close(self) -> None:
         self.wait_all()
@@ -86,9 +87,10 @@ class UpdateQueue(UnitUpdateQueue):
     """Units updated by ``optimizer.step_params`` on the CPU worker; with a ``DeviceUpdatePath``, the units it
     holds are updated on the GPU by a second worker at the same time."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, units: list[ParamUnit], sink: HandoffSink,
+    def __init__(self, optimizer: torch.optim.Optimizer, versions: WeightVersions, sink: HandoffSink,
                  timeout_s: float, device_path: DeviceUpdatePath | None = None) -> None:
-        super().__init__(optimizer, units, sink, timeout_s)
+        super().__init__(optimizer, versions, sink, timeout_s)
+        units = self.units
         managed = managed_ids(optimizer)
         self._params = {
             u.index: [(i, e.param) for i, e in enumerate(u.unique) if id(e.param) in managed] for u in units
@@ -117,8 +119,7 @@ class UpdateQueue(UnitUpdateQueue):
             grads = [handoff.host[unit.unique[i].offset : unit.unique[i].offset + p.numel()].view(p.shape)
                      for i, p in chosen]
             self.optimizer.step_params([p for _, p in chosen], clip_coef, grads, lr_of)
-        unit.generation += 1
-        unit.dirty = False
+        self.versions.written(unit)
 
     def _close_paths(self) -> None:
         if self._device_pool is not None:

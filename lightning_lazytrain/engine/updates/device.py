@@ -29,7 +29,7 @@ from typing import Literal
 import torch
 
 from lightning_lazytrain.engine.device import DeviceQueues, host_wait
-from lightning_lazytrain.engine.weights.store import ParamUnit
+from lightning_lazytrain.engine.weights.layout import ParamUnit
 
 log = logging.getLogger(__name__)
 

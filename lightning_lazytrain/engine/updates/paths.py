@@ -110,7 +110,7 @@ def direct_path(store: HostParamStore, queues: DeviceQueues, optimizer: torch.op
                     optimizer.register_stream_copy(e.param, unit.stream[e.offset : e.offset + e.numel].view(e.shape))
     device_units = [u for u, flag in zip(units, on_device, strict=True) if flag]
     device_path = DeviceUpdatePath(optimizer, device_units, queues, timeout_s) if device_units else None
-    return UpdatePath(sink, UpdateQueue(optimizer, units, sink, timeout_s, device_path), reserve)
+    return UpdatePath(sink, UpdateQueue(optimizer, store.versions, sink, timeout_s, device_path), reserve)
 
 
 def sharded_path(store: SharedParamStore, queues: DeviceQueues, optimizer: torch.optim.Optimizer,

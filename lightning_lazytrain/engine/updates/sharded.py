@@ -21,8 +21,8 @@ import torch
 from lightning_lazytrain.engine.device import host_wait
 from lightning_lazytrain.engine.grads.handoff import HandoffSink
 from lightning_lazytrain.engine.updates.cpu import UnitUpdateQueue
+from lightning_lazytrain.engine.weights.layout import ParamEntry, ParamUnit
 from lightning_lazytrain.engine.weights.shared_store import SharedParamStore
-from lightning_lazytrain.engine.weights.store import ParamEntry, ParamUnit
 from lightning_lazytrain.optim import HybridAdamW
 
 
@@ -62,7 +62,7 @@ def shard_optimizer(user: HybridAdamW, store: SharedParamStore) -> tuple[HybridA
 class ShardedUpdateQueue(UnitUpdateQueue):
     def __init__(self, user: HybridAdamW, store: SharedParamStore, sink: HandoffSink, timeout_s: float) -> None:
         shard, self._pieces = shard_optimizer(user, store)
-        super().__init__(shard, store.units, sink, timeout_s)
+        super().__init__(shard, store.versions, sink, timeout_s)
         self.user, self.store = user, store
 
     def sync_hyperparameters(self) -> None:
@@ -94,5 +94,4 @@ class ShardedUpdateQueue(UnitUpdateQueue):
         grads = [handoff.host[p.lo : p.hi] for p in chosen]
         self.optimizer.step_params([p.tensor for p in chosen], coef, grads, lr_of)
         self.store.publish(unit)
-        unit.generation += 1
-        unit.dirty = False
+        self.versions.written(unit)

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from lightning_lazytrain.engine.weights.store import ParamUnit
+from lightning_lazytrain.engine.weights.layout import ParamUnit
 
 
 @contextlib.contextmanager

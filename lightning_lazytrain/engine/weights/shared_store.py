@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_lazytrain.engine.weights.store import HostParamStore, ParamEntry, ParamUnit, collect_entries
+from lightning_lazytrain.engine.weights.layout import ParamEntry, ParamUnit, collect_entries
+from lightning_lazytrain.engine.weights.store import HostParamStore
 from lightning_lazytrain.engine.weights.topology import Topology, all_gather_flat
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,8 @@ class ShardLayout:
 
 
 class SharedParamStore(HostParamStore):
+    streams_from_masters = False  # the streamed copy is the machine's shared file, written by ``publish``
+
     def __init__(
         self,
         groups: list[tuple[str, list[nn.Module]]],
@@ -199,7 +202,7 @@ class SharedParamStore(HostParamStore):
                                  f" {unit.master.numel()}: resume with the world size the checkpoint was saved with")
             unit.master.copy_(saved)
             self.write_shard(unit)
-            unit.generation += 1  # device copies made before the load are stale
+            self.versions.written(unit)  # device copies made before the load are stale
 
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from lightning_lazytrain.engine.device import DeviceQueues
-from lightning_lazytrain.engine.weights.store import ParamUnit
+from lightning_lazytrain.engine.weights.layout import ParamUnit
+from lightning_lazytrain.engine.weights.versions import WeightVersions
 
 
 class SlotPoolExhaustedError(RuntimeError):
@@ -32,8 +33,8 @@ class Slot:
     ready: torch.cuda.Event | None = None
     free: torch.cuda.Event | None = None
 
-    def holds(self, unit: ParamUnit) -> bool:
-        return self.unit is unit and self.generation == unit.generation
+    def holds(self, unit: ParamUnit, generation: int) -> bool:
+        return self.unit is unit and self.generation == generation
 
     def views(self, unit: ParamUnit) -> list[torch.Tensor]:
         """One tensor per distinct parameter of ``unit`` (``unit.unique`` order), viewing this slot's buffer."""
@@ -41,8 +42,9 @@ class Slot:
 
 
 class SlotPool:
-    def __init__(self, queues: DeviceQueues, num_slots: int, slot_numel: int, dtype: torch.dtype) -> None:
-        self.queues = queues
+    def __init__(self, queues: DeviceQueues, versions: WeightVersions, num_slots: int, slot_numel: int,
+                 dtype: torch.dtype) -> None:
+        self.queues, self.versions = queues, versions
         # One allocation for all slots: the allocator rounds each separate tensor up to its block size (2 MiB),
         # which made many small slots take far more memory than the admission check counted.
         # Each slot is its own tensor over that storage (set_, not a view): views would share one version counter,
@@ -62,9 +64,10 @@ class SlotPool:
         return sum(s.buffer.numel() * s.buffer.element_size() for s in self.slots)
 
     def _find(self, unit: ParamUnit) -> Slot | None:
-        unit.refresh_stream()
+        self.versions.refresh(unit)
+        generation = self.versions.generation[unit.index]
         for slot in self.slots:
-            if slot.holds(unit):
+            if slot.holds(unit, generation):
                 return slot
         return None
 
@@ -130,7 +133,7 @@ class SlotPool:
         with self.queues.on(h2d), torch.inference_mode(False):
             slot.buffer[: unit.numel].copy_(unit.stream, non_blocking=True)
         slot.ready = self.queues.record(h2d)
-        slot.unit, slot.generation = unit, unit.generation
+        slot.unit, slot.generation = unit, self.versions.generation[unit.index]
         self.h2d_copies += 1
         self.h2d_bytes += unit.numel * unit.stream.element_size()
 
