@@ -53,3 +53,25 @@ def test_gpu_device_updates_match_cpu_updates(fraction, share):
     assert stats["device_update_busy_s"] > 0
     assert rel_diff(cpu.model.cpu(), model) > 1e-3
     assert rel_diff(dev.model.cpu(), cpu.model.cpu()) <= 1e-5
+
+
+@pytest.mark.parametrize("share", [0.5, "plan"])
+def test_gpu_device_updates_write_the_streamed_copy_under_bf16_mixed(share):
+    """bf16-mixed, 8-bit states: the pipelined device path (two units in flight, copies in and out on their own
+    streams) against every update on the CPU kernel; a stale bf16 copy or a unit read before its copy out ended
+    differs by ~1e-3. ``"plan"``: the MILP's split from the measured link and CPU rate (it may pick no unit for
+    so small a model; the fixed share must run some)."""
+    import copy
+
+    from test_engine_updates import BusySeconds, HybridModule, fit
+
+    model, data = tiny_model("qwen2"), batches(3)
+    busy = BusySeconds()
+    cpu, _ = fit(HybridModule(copy.deepcopy(model), 1.0), data, LazyTrainStrategy(device_update_share=0.0),
+                 precision="bf16-mixed", accelerator="gpu", gradient_clip_val=0.05)
+    dev, _ = fit(HybridModule(copy.deepcopy(model), 1.0), data, LazyTrainStrategy(device_update_share=share),
+                 precision="bf16-mixed", accelerator="gpu", gradient_clip_val=0.05, callbacks=[busy])
+    if share != "plan":
+        assert busy.device > 0
+    assert rel_diff(cpu.model.cpu(), model) > 1e-2
+    assert rel_diff(dev.model.cpu(), cpu.model.cpu()) <= 1e-5

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from lightning_lazytrain.engine.updates.device import UnitTraffic, split_units
+from lightning_lazytrain.engine.updates.placement import UnitTraffic, split_units
 from lightning_lazytrain.schedule.milp_updates import UpdateProblem, forward_wait, solve_updates
 
 

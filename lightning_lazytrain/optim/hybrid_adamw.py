@@ -222,42 +222,18 @@ class HybridAdamW(Optimizer):
         else:
             reference_step(param=p, grad=g.to(p.device), state=st, **scalars)
 
-    @torch.no_grad()
-    def step_params_on(
-        self,
-        device: torch.device,
-        params: Sequence[torch.Tensor],
-        clip_coef: float,
-        grads: Sequence[torch.Tensor | None],
-        lr_of: dict[int, float] | None = None,
-    ) -> None:
-        """The update of ``step_params`` computed on ``device`` from gradients already there: each parameter and
-        its states are copied in, updated by the torch reference path, and copied back with the stream copy.
+    def prepare_update(
+        self, p: torch.Tensor, g: torch.Tensor, clip_coef: float, lr_of: dict[int, float] | None = None
+    ) -> tuple[dict[str, torch.Tensor], dict]:
+        """Count a step of ``p`` and return what one update of it reads and writes besides ``p`` and ``g``: its
+        state tensors by name, and the update's scalars as ``optim.reference.reference_step`` takes them
+        (``copy``: the registered stream copy, or None).
 
-        The host tensors stay the only state (checkpoints see nothing different). Copies are queued on the
-        current stream with ``non_blocking``, so host memory should be pinned; the caller waits on an event
-        recorded after this returns before reading the results or reusing ``grads``.
+        For an engine that runs the update elsewhere (``engine/updates/device.py``: on the GPU, from copies of
+        these tensors, written back afterwards); ``step_params`` is this followed by the update on the CPU.
         """
-        if len(grads) != len(params):
-            raise ValueError(f"step_params_on: {len(params)} params but {len(grads)} grads")
-        for p, g in zip(params, grads, strict=True):
-            if g is None:
-                continue
-            st, scalars = self._prepare(p, g, float(clip_coef), lr_of)
-            host_copy = scalars.pop("copy")
-            moved = {
-                k: v.to(device, non_blocking=True, copy=True) if isinstance(v, torch.Tensor) else v
-                for k, v in st.items()
-            }
-            param = p.detach().to(device, non_blocking=True, copy=True)
-            copy = None if host_copy is None else torch.empty(p.shape, dtype=torch.bfloat16, device=device)
-            reference_step(param=param, grad=g, state=moved, copy=copy, **scalars)
-            p.detach().copy_(param, non_blocking=True)
-            for k in STATE_TENSORS:
-                if k in st:
-                    st[k].copy_(moved[k], non_blocking=True)
-            if host_copy is not None:
-                host_copy.copy_(copy, non_blocking=True)
+        st, scalars = self._prepare(p, g, float(clip_coef), lr_of)
+        return {k: st[k] for k in STATE_TENSORS if k in st}, scalars
 
     # ----------------------------------------------------------------- checkpoint
     def load_state_dict(self, state_dict: dict) -> None:

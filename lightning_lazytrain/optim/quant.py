@@ -25,6 +25,7 @@ __all__ = [
     "quantize_blockwise",
     "dequantize_blockwise",
     "encode_normalized",
+    "device_tables",
     "nearest_code",
 ]
 
@@ -72,14 +73,15 @@ def quant_tables(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @cache
-def _device_tables(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def device_tables(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quant_tables`` on ``device``, copied there once."""
     code, thr = quant_tables(signed)
     return code.to(device), thr.to(device)
 
 
 def encode_normalized(x: torch.Tensor, signed: bool) -> torch.Tensor:
     """Codes (uint8) of values already divided by their block absmax (any device)."""
-    _, thr = _device_tables(signed, x.device)
+    _, thr = device_tables(signed, x.device)
     x = x.contiguous().float()
     # searchsorted(left) = count of thresholds < x; NaN -> 0 like the kernel (every comparison is false).
     c = torch.searchsorted(thr[:255], torch.nan_to_num(x, nan=-2.0))
@@ -110,7 +112,7 @@ def dequantize_blockwise(
     codes: torch.Tensor, absmax: torch.Tensor, signed: bool = True, block_size: int = 4096
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_blockwise`: fp32 tensor shaped like ``codes``."""
-    code, _ = _device_tables(signed, codes.device)
+    code, _ = device_tables(signed, codes.device)
     n = codes.numel()
     vals = code[codes.reshape(-1).long()]
     pad = (-n) % block_size

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .quant import dynamic_map, encode_normalized
+from .quant import device_tables, encode_normalized
 
 __all__ = ["mix32", "stochastic_round_bf16", "v_floor_coef", "reference_step"]
 
@@ -98,7 +98,8 @@ def reference_step(
         g = g * grad_scale
     eight_bit = "exp_avg_codes" in state
     if eight_bit:
-        cm, cv = dynamic_map(True).to(param.device), dynamic_map(False).to(param.device)
+        # cached per device: a fresh copy from pageable memory would make every update wait for its stream
+        cm, cv = device_tables(True, param.device)[0], device_tables(False, param.device)[0]
         m = _blocks(cm[state["exp_avg_codes"].reshape(-1).long()], block) * state["exp_avg_absmax"][:, None]
         v = _blocks(cv[state["exp_avg_sq_codes"].reshape(-1).long()], block) * state["exp_avg_sq_absmax"][:, None]
         m, v = m.reshape(-1)[:n], v.reshape(-1)[:n]

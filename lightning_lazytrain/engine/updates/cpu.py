@@ -17,7 +17,7 @@ import torch
 
 from lightning_lazytrain.engine.device import host_wait
 from lightning_lazytrain.engine.grads.handoff import HandoffSink
-from lightning_lazytrain.engine.updates.device import DeviceUpdatePath
+from lightning_lazytrain.engine.updates.device import IN_FLIGHT, DeviceUpdatePath
 from lightning_lazytrain.engine.weights.layout import ParamUnit
 from lightning_lazytrain.engine.weights.versions import WeightVersions
 from lightning_lazytrain.optim import managed_ids
@@ -33,8 +33,8 @@ class UnitUpdateQueue:
         self.units = versions.units
         self.sink = sink  # the path's sink: it hands each unit's gradients over (``grads/handoff.py``)
         self.timeout_s = timeout_s
-        self._busy = {unit.index: 0.0 for unit in self.units}
-        self._busy_lock = threading.Lock()  # two workers add while the main thread takes and resets
+        self._busy: list[tuple[int, float, float]] = []  # (unit index, start, end) of each job since the last take
+        self._busy_lock = threading.Lock()  # workers add while the main thread takes and resets
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-update")
 
     def _submit(self, coef: float) -> None:
@@ -58,14 +58,16 @@ class UnitUpdateQueue:
             self._run(unit, coef, lr_of)
         finally:
             with self._busy_lock:
-                self._busy[unit.index] += time.perf_counter() - start
+                self._busy.append((unit.index, start, time.perf_counter()))
 
     def take_busy_seconds(self) -> tuple[float, float]:
-        """(CPU worker, device worker) seconds spent on updates since the last call."""
+        """(CPU worker, device worker) seconds spent on updates since the last call: the time at least one job of
+        that worker ran (the device worker runs two units' jobs at once)."""
         with self._busy_lock:
-            busy, self._busy = self._busy, dict.fromkeys(self._busy, 0.0)
-        cpu = sum(t for i, t in busy.items() if not self.sink.grads[i].on_device)
-        device = sum(t for i, t in busy.items() if self.sink.grads[i].on_device)
+            busy, self._busy = self._busy, []
+        on_device = [self.sink.grads[i].on_device for i, _, _ in busy]
+        cpu = covered_seconds([(a, b) for (_, a, b), dev in zip(busy, on_device) if not dev])
+        device = covered_seconds([(a, b) for (_, a, b), dev in zip(busy, on_device) if dev])
         return cpu, device
 
     def _run(self, unit: ParamUnit, coef: float, lr_of: dict[int, float]) -> None:
@@ -98,7 +100,7 @@ class UpdateQueue(UnitUpdateQueue):
         self.device_path = device_path
         self._device_pool = None
         if device_path is not None and device_path.units:
-            self._device_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-device-update")
+            self._device_pool = ThreadPoolExecutor(max_workers=IN_FLIGHT, thread_name_prefix="lazytrain-device-update")
 
     def schedule(self, clip_coef: float) -> None:
         self._submit(clip_coef)
@@ -126,3 +128,13 @@ class UpdateQueue(UnitUpdateQueue):
             self._device_pool.shutdown(wait=True)
         if self.device_path is not None:
             self.device_path.close()
+
+
+def covered_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of (start, end) intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total

@@ -1,193 +1,69 @@
-"""Some units' optimizer updates on the GPU, beside the CPU's, so the update that follows a backward ends sooner.
+"""Some units' optimizer updates on the GPU, beside the CPU's (``placement.py`` says which), pipelined over units.
 
-With gradient clipping no update may start before the whole backward has given the norm, and the next forward
-needs layer ``i`` updated before it runs: the CPU update is exposed wherever it is longer than the next forward.
-The GPU is nearly idle then and the link has room, so a share of the units is updated there: their gradients stay
-on the device after the backward (no D2H), their fp32 masters and states are copied in, updated by the same
-math (``HybridAdamW.step_params_on``, the torch reference path) and copied back with the bf16 stream copy. The host
-tensors remain the only state, so checkpoints and resume do not change.
+A device unit's gradients stay on the device after the backward (no D2H). Its update moves the fp32 masters and
+optimizer states in, runs the same math as the CPU kernel (``optim.reference.reference_step``, from
+``HybridAdamW.prepare_update``'s scalars) and moves masters, states and the bf16 stream copy out. The host tensors
+stay the only state, so checkpoints and resume see nothing different.
 
-Which units: in the order the next forward needs them, each unit goes to the path (CPU worker or device worker)
-that would finish it first, from the CPU update rate (timed on a scratch tensor at setup) and the link rates (the
-device path moves ``master + states`` bytes in and ``master + states + stream copy`` bytes out per parameter; the
-GPU arithmetic itself is negligible beside that). The next forward's weight copies share the H2D link; that is
-not modelled, so the split leans slightly towards the device.
-
-``share="plan"``: the split of the update-placement MILP (``schedule/milp_updates.py``), which also counts that
-the next forward reaches unit u only after units 0..u-1 have run, so late units may finish later. Each unit's
-forward is taken as its weight copy (stream bytes / H2D rate): a lower estimate, known before any batch is seen.
-Off CUDA the link is the H200's published figures (a test of the control flow, as a fixed share is there).
+Each phase has its own stream: copies in (H2D), the update, copies out (D2H). Two units are in flight, each in one
+of two staging buffers, launched by the two threads of the device worker pool: while unit ``k`` is updated, unit
+``k + 1`` is copied in and unit ``k - 1`` copied out, so both directions of the link stay busy (the split in
+``placement.py`` assumes this). A staging buffer is handed on with the event of its last copy out, which the next
+unit's copies in wait for on the device; the host never blocks there. A unit's job returns, and its
+``WeightVersions`` hold ends, only once its own copies out have finished, so no reader sees half-written weights.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass
-from typing import Literal
+import queue
 
 import torch
 
 from lightning_lazytrain.engine.device import DeviceQueues, host_wait
 from lightning_lazytrain.engine.weights.layout import ParamUnit
+from lightning_lazytrain.optim.reference import reference_step
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class UnitTraffic:
-    numel: int
-    h2d_bytes: int
-    d2h_bytes: int
-    grad_bytes: int
+IN_FLIGHT = 2  # units whose update is queued on the device at once: one copied in while one is updated
+_ALIGN = 256  # bytes: every staged tensor starts on a fresh DMA-friendly boundary
 
 
-def unit_traffic(unit: ParamUnit, optimizer: torch.optim.Optimizer, stream_itemsize: int) -> UnitTraffic:
-    """Bytes the device path moves for ``unit`` and the device bytes its kept gradients hold."""
-    h2d = d2h = numel = 0
-    for e in unit.unique:
-        states = sum(t.numel() * t.element_size() for t in optimizer.state_tensors(e.param))
-        master = e.numel * e.param.element_size()
-        copy = e.numel * 2 if e.param.dtype != torch.bfloat16 else 0
-        h2d += master + states
-        d2h += master + states + copy
-        numel += e.numel
-    return UnitTraffic(numel, h2d, d2h, numel * stream_itemsize)
-
-
-def split_units(traffic: list[UnitTraffic], cpu_params_per_s: float, h2d_bytes_per_s: float,
-                d2h_bytes_per_s: float) -> list[bool]:
-    """For units in the order the next forward needs them: True where the device worker would finish it first."""
-    t_cpu = t_dev = 0.0
-    out = []
-    for t in traffic:
-        cpu = t.numel / cpu_params_per_s
-        dev = max(t.h2d_bytes / h2d_bytes_per_s, t.d2h_bytes / d2h_bytes_per_s)
-        on_device = t_dev + dev < t_cpu + cpu
-        if on_device:
-            t_dev += dev
-        else:
-            t_cpu += cpu
-        out.append(on_device)
-    return out
-
-
-def split_by_share(traffic: list[UnitTraffic], share: float) -> list[bool]:
-    """A fixed share of the parameters on the device path, spread over the forward order as the timing split is."""
-    if share <= 0:
-        return [False] * len(traffic)
-    if share >= 1:
-        return [True] * len(traffic)
-    fake = [UnitTraffic(t.numel, t.numel, t.numel, t.grad_bytes) for t in traffic]
-    return split_units(fake, 1.0 - share, share, share)
-
-
-def measure_cpu_update_rate(optimizer: torch.optim.Optimizer, numel: int = 1 << 25) -> float:
-    """Parameters per second of ``optimizer``'s CPU update on a scratch tensor, in the engine's configuration
-    (bf16 gradient, clip coefficient, bf16 stream copy), with its 8-bit setting for large tensors."""
-    from lightning_lazytrain.optim import HybridAdamW
-
-    eight_bit = any(optimizer.is_8bit(p) for g in optimizer.param_groups for p in g["params"])
-    param = torch.zeros(numel)
-    scratch = HybridAdamW([param], lr=1e-6, eight_bit_fraction=1.0 if eight_bit else 0.0,
-                          num_threads=getattr(optimizer, "num_threads", None))
-    scratch.register_stream_copy(param, torch.empty(numel, dtype=torch.bfloat16))
-    grad = torch.full((numel,), 1e-3, dtype=torch.bfloat16)
-    scratch.step_params([param], 0.5, [grad])
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        scratch.step_params([param], 0.5, [grad])
-        best = min(best, time.perf_counter() - start)
-    return numel / best
-
-
-def update_problem(traffic: list[UnitTraffic], cpu_params_per_s: float, h2d_bytes_per_s: float,
-                   d2h_bytes_per_s: float):
-    """The MILP's inputs for ``traffic`` (forward order): CPU seconds from the update rate, device seconds from the
-    link (as ``split_units``), each unit's next forward as its weight copy (``grad_bytes``: stream-dtype bytes)."""
-    from lightning_lazytrain.schedule.milp_updates import UpdateProblem
-
-    return UpdateProblem(
-        cpu_seconds=[t.numel / cpu_params_per_s for t in traffic],
-        device_seconds=[max(t.h2d_bytes / h2d_bytes_per_s, t.d2h_bytes / d2h_bytes_per_s) for t in traffic],
-        forward_seconds=[t.grad_bytes / h2d_bytes_per_s for t in traffic],
-    )
-
-
-def assign_device_updates(units: list[ParamUnit], optimizer: torch.optim.Optimizer,
-                          share: float | Literal["plan"] | None, device: torch.device,
-                          stream_itemsize: int) -> tuple[list[bool], int]:
-    """Which units' update runs on ``device`` (``share`` of the parameters; ``"plan"``: the MILP's split; ``None``:
-    the timing split on CUDA, none elsewhere), and the device bytes that holds beside the plan's activations."""
-    traffic = [unit_traffic(u, optimizer, stream_itemsize) for u in units]
-    if share == "plan":
-        flags = _planned_split(optimizer, traffic, device)
-    elif share is not None:
-        flags = split_by_share(traffic, share)
-    elif device.type == "cuda":
-        flags = _timed_split(optimizer, traffic, device)
-    else:
-        flags = [False] * len(units)
-    on_device = [t for t, f in zip(traffic, flags, strict=True) if f]
-    # kept gradients until their update ran, plus one unit's master and states in flight (two, double-buffered)
-    return flags, sum(t.grad_bytes for t in on_device) + 2 * max((t.h2d_bytes for t in on_device), default=0)
-
-
-def _link(device: torch.device) -> tuple[float, float]:
-    """(H2D, D2H) bytes/s with both directions busy: measured on CUDA, the H200's figures elsewhere."""
-    if device.type == "cuda":
-        from lightning_lazytrain.engine.link import measure_link_cuda
-
-        h2d, d2h, duplex = measure_link_cuda(device)
-    else:
-        from lightning_lazytrain.schedule.profile import H200_D2H, H200_DUPLEX, H200_H2D
-
-        h2d, d2h, duplex = H200_H2D, H200_D2H, H200_DUPLEX
-    return min(h2d, duplex / 2), min(d2h, duplex / 2)  # both directions run at once
-
-
-def _log_split(how: str, traffic: list[UnitTraffic], flags: list[bool], cpu_rate: float, h2d: float,
-               d2h: float) -> None:
-    share = sum(t.numel for t, f in zip(traffic, flags, strict=True) if f) / max(1, sum(t.numel for t in traffic))
-    log.info("lazytrain: CPU update %.2f G params/s, link %.1f / %.1f GB/s -> %s: %.0f%% of the parameters updated"
-             " on the GPU", cpu_rate / 1e9, h2d / 1e9, d2h / 1e9, how, 100 * share)
-
-
-def _timed_split(optimizer: torch.optim.Optimizer, traffic: list[UnitTraffic], device: torch.device) -> list[bool]:
-    cpu_rate = measure_cpu_update_rate(optimizer)
-    h2d, d2h = _link(device)
-    flags = split_units(traffic, cpu_rate, h2d, d2h)
-    _log_split("greedy split", traffic, flags, cpu_rate, h2d, d2h)
-    return flags
-
-
-def _planned_split(optimizer: torch.optim.Optimizer, traffic: list[UnitTraffic], device: torch.device) -> list[bool]:
-    from lightning_lazytrain.schedule.milp_updates import solve_updates
-
-    cpu_rate = measure_cpu_update_rate(optimizer)
-    h2d, d2h = _link(device)
-    split = solve_updates(update_problem(traffic, cpu_rate, h2d, d2h))
-    _log_split(f"MILP split ({split.status}, forward wait {split.wait_seconds:.3f} s)", traffic, split.on_device,
-               cpu_rate, h2d, d2h)
-    return split.on_device
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
 
 
 class DeviceUpdatePath:
-    """Runs the updates of ``units`` (those assigned to the device) on a stream of their own, from a worker thread."""
+    """Runs the updates of ``units`` (those assigned to the device), called from ``IN_FLIGHT`` worker threads."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, units: list[ParamUnit], queues: DeviceQueues,
                  timeout_s: float) -> None:
         self.optimizer, self.queues, self.timeout_s = optimizer, queues, timeout_s
         self.units = units
-        self.stream = torch.cuda.Stream(queues.device) if queues.is_cuda else None
+        cuda = queues.is_cuda
+        self.copy_in, self.compute, self.copy_out = ((torch.cuda.Stream(queues.device) for _ in range(3)) if cuda
+                                                     else (None, None, None))
         self._registered: list[int] = []
-        if queues.is_cuda:
+        nbytes = max((self._staged_bytes(u) for u in units), default=0)
+        self._staging: queue.Queue = queue.Queue()
+        for _ in range(IN_FLIGHT):
+            self._staging.put((torch.empty(nbytes, dtype=torch.uint8, device=queues.device), None))
+        if cuda:
             for unit in self.units:
                 self._pin(unit.master)
                 for e in unit.unique:
                     for t in optimizer.state_tensors(e.param):
                         self._pin(t)
+
+    def _staged_bytes(self, unit: ParamUnit) -> int:
+        """Staging bytes of ``unit``: each parameter's master, state tensors and stream copy."""
+        total = 0
+        for e in unit.unique:
+            states = self.optimizer.state_tensors(e.param)
+            total += _aligned(e.numel * e.param.element_size()) + sum(_aligned(t.nbytes) for t in states)
+            total += _aligned(e.numel * 2)  # a bf16 stream copy (counted whether or not one is registered)
+        return total
 
     def _pin(self, t: torch.Tensor) -> None:
         """Page-lock ``t`` in place (cudaHostRegister), so the copies in and out are asynchronous DMA."""
@@ -201,24 +77,59 @@ class DeviceUpdatePath:
             return
         self._registered.append(ptr)
 
+    @torch.no_grad()
     def run(self, unit: ParamUnit, params: list[torch.Tensor], grads: list[torch.Tensor | None], ready: object,
             clip_coef: float, lr_of: dict[int, float]) -> None:
-        """``ready``: the event after the backward that produced ``grads``."""
+        """Update ``params`` of ``unit`` from ``grads`` (device tensors; ``ready``: the event after the backward
+        that produced them) and return once the results are back in host memory."""
         q = self.queues
-        with q.on(self.stream):
-            q.wait(ready, self.stream)
-            # a parameter the backward left without a gradient is updated with zeros, as the CPU path does
-            kept = [g if g is not None else torch.zeros(p.shape, device=q.device) for p, g in zip(params, grads,
-                                                                                                   strict=True)]
-            self.optimizer.step_params_on(q.device, params, clip_coef, kept, lr_of)
-            done = q.record(self.stream)
-        if self.stream is not None:
-            for g in kept:
-                g.record_stream(self.stream)  # allocated on the compute stream, read on this one
+        buffer, last_out = self._staging.get()
+        done = last_out
+        try:
+            with q.on(self.compute):
+                # a parameter the backward left without a gradient is updated with zeros, as the CPU path does
+                kept = [g if g is not None else torch.zeros(p.shape, device=q.device)
+                        for p, g in zip(params, grads, strict=True)]
+            jobs, offset = [], 0
+            for p, g in zip(params, kept, strict=True):
+                states, scalars = self.optimizer.prepare_update(p, g, clip_coef, lr_of)
+                host_copy = scalars.pop("copy")
+                host = {"param": p.detach(), **states, **({"copy": host_copy} if host_copy is not None else {})}
+                staged = {}
+                for name, t in host.items():
+                    staged[name] = buffer[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
+                    offset += _aligned(t.nbytes)
+                jobs.append((host, staged, g, scalars))
+            with q.on(self.copy_in):
+                q.wait(last_out, self.copy_in)  # the buffer's previous unit has been copied out
+                for host, staged, _, _ in jobs:
+                    for name, t in host.items():
+                        if name != "copy":  # written by the update, read by nobody before
+                            staged[name].copy_(t, non_blocking=True)
+                copied_in = q.record(self.copy_in)
+            with q.on(self.compute):
+                q.wait(copied_in, self.compute)
+                q.wait(ready, self.compute)
+                for _, staged, g, scalars in jobs:
+                    state = {k: v for k, v in staged.items() if k not in ("param", "copy")}
+                    reference_step(param=staged["param"], grad=g, state=state, copy=staged.get("copy"), **scalars)
+                updated = q.record(self.compute)
+            if self.compute is not None:
+                for g in kept:
+                    g.record_stream(self.compute)  # allocated on the training's compute stream, read on this one
+            with q.on(self.copy_out):
+                q.wait(updated, self.copy_out)
+                for host, staged, _, _ in jobs:
+                    for name, t in host.items():
+                        t.copy_(staged[name], non_blocking=True)
+                done = q.record(self.copy_out)
+        finally:
+            self._staging.put((buffer, done))
         host_wait(done, f"the device update of {unit.label}", self.timeout_s)
 
     def close(self) -> None:
         for ptr in self._registered:
             torch.cuda.cudart().cudaHostUnregister(ptr)
         self._registered.clear()
-
+        while not self._staging.empty():
+            self._staging.get_nowait()

@@ -19,7 +19,8 @@ from lightning_lazytrain.engine.grads.direct import DirectGradSink
 from lightning_lazytrain.engine.grads.host import GradSink
 from lightning_lazytrain.engine.grads.sharded import ShardedGradSink
 from lightning_lazytrain.engine.updates.cpu import UpdateQueue
-from lightning_lazytrain.engine.updates.device import DeviceUpdatePath, assign_device_updates
+from lightning_lazytrain.engine.updates.device import DeviceUpdatePath
+from lightning_lazytrain.engine.updates.placement import assign_device_updates
 from lightning_lazytrain.engine.updates.sharded import ShardedUpdateQueue
 from lightning_lazytrain.engine.weights.shared_store import SharedParamStore
 from lightning_lazytrain.engine.weights.store import HostParamStore
@@ -95,7 +96,7 @@ def direct_path(store: HostParamStore, queues: DeviceQueues, optimizer: torch.op
     """The engine runs ``optimizer.step_params`` per unit from bf16 host gradients, off the main thread.
 
     ``device_update_share``: the share of parameters whose update runs on the GPU beside the CPU's
-    (``updates/device.py``); ``None`` picks it from the measured CPU update and link rates on CUDA and is 0 on the
+    (``updates/placement.py``); ``None`` picks it from the measured CPU update and link rates on CUDA and is 0 on the
     CPU.
     """
     units = store.units
