@@ -13,8 +13,12 @@ import re
 import resource as _rlimit
 import shutil
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import psutil
+
+if TYPE_CHECKING:
+    from lightning_lazytrain.engine.plan import Schedule
 
 _FEWER_NVME = "use a plan with fewer 'nvme' homes (schedule='interval:K', or a plan JSON with 'cpu'/'recompute' there)"
 _OTHER_DIR = "point spill_dir at another local disk"
@@ -133,13 +137,13 @@ _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
 
 def gpu_out_of_memory(exc: BaseException, available: int | None, batch_shape: tuple[int, int] | None,
-                      plan: str) -> GpuMemoryError:
+                      plan: Schedule | None) -> GpuMemoryError:
     """``exc`` is torch's OutOfMemoryError; the size it tried to allocate is read from its message."""
     found = re.search(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)", str(exc))
     asked = int(float(found.group(1)) * _UNITS[found.group(2)]) if found else None
     shape = f"batch {batch_shape[0]} x {batch_shape[1]}, " if batch_shape else ""
     return GpuMemoryError(
-        "GPU memory", f"out of memory inside a training step ({shape}plan {plan})",
+        "GPU memory", f"out of memory inside a training step ({shape}plan {plan_summary(plan)})",
         ["a smaller batch with accumulate_grad_batches to keep the global batch",
          "a smaller gpu_activation_gib, so that schedule='milp' sends more boundaries to 'cpu' or 'recompute'",
          "fewer keep_graph_layers",
@@ -147,7 +151,7 @@ def gpu_out_of_memory(exc: BaseException, available: int | None, batch_shape: tu
         asked=asked, available=available)
 
 
-def plan_summary(plan) -> str:
+def plan_summary(plan: Schedule | None) -> str:
     """A ``Schedule`` in a line: how many boundaries live in each home, and how many layers keep their graph."""
     if plan is None:
         return "not set"

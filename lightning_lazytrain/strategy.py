@@ -24,7 +24,8 @@ from lightning_lazytrain.checkpointing import CheckpointingStrategy, last_checkp
 from lightning_lazytrain.engine import StreamingExecutor
 from lightning_lazytrain.engine.device import device_free_bytes
 from lightning_lazytrain.engine.generation import EvalGeneration
-from lightning_lazytrain.faults import gpu_out_of_memory, plan_summary
+from lightning_lazytrain.engine.updates.placement import check_share
+from lightning_lazytrain.faults import gpu_out_of_memory
 from lightning_lazytrain.models import adapter_for, find_hf_model
 from lightning_lazytrain.oom_ladder import OomLadder
 from lightning_lazytrain.planner import PlanSettings, initial_plan
@@ -119,11 +120,7 @@ class LazyTrainStrategy(CheckpointingStrategy):
         self.timeout_s = timeout_s
         self.force_distributed = force_distributed
         self.overlap_updates = overlap_updates
-        share = device_update_share
-        if not (share is None or share == "plan" or (isinstance(share, (int, float)) and 0.0 <= share <= 1.0)):
-            raise ValueError(f"device_update_share must be in [0, 1], 'plan' (the MILP's split) or None (automatic), "
-                             f"got {share!r}")
-        self.device_update_share = device_update_share
+        self.device_update_share = check_share(device_update_share)
         if generation not in GENERATION_MODES:
             raise ValueError(f"generation must be one of {GENERATION_MODES}, got {generation!r}")
         self.generation_mode = generation
@@ -264,8 +261,8 @@ class LazyTrainStrategy(CheckpointingStrategy):
                                                       ) if self.replans_alone else None
                 if plan is None:
                     free = device_free_bytes(self.root_device) if self.root_device.type == "cuda" else None
-                    described = plan_summary(self.executor.plan if self.executor is not None else None)
-                    raise gpu_out_of_memory(exc, free, self.resume.plan_shape, described) from exc
+                    current = self.executor.plan if self.executor is not None else None
+                    raise gpu_out_of_memory(exc, free, self.resume.plan_shape, current) from exc
             # outside the except block: the failed step's frames, and the GPU memory they held, are gone
             self.executor.discard_step()
             if self.root_device.type == "cuda":

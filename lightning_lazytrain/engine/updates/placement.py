@@ -119,6 +119,14 @@ def update_problem(traffic: list[UnitTraffic], cpu_params_per_s: float, h2d_byte
     )
 
 
+def check_share(share: float | str | None) -> float | Literal["plan"] | None:
+    """``share`` if it is a ``device_update_share`` value, else a ValueError naming the ones there are."""
+    if not (share is None or share == "plan" or (isinstance(share, (int, float)) and 0.0 <= share <= 1.0)):
+        raise ValueError(f"device_update_share must be in [0, 1], 'plan' (the MILP's split) or None (automatic), "
+                         f"got {share!r}")
+    return share
+
+
 def assign_device_updates(units: list[ParamUnit], optimizer: torch.optim.Optimizer,
                           share: float | Literal["plan"] | None, device: torch.device,
                           stream_itemsize: int) -> tuple[list[bool], int]:
