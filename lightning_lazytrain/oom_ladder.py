@@ -63,12 +63,14 @@ class OomLadder:
     rung: int = 0
     taken: list[str] = dataclasses.field(default_factory=list)
 
-    def plan_after_oom(self, executor: StreamingExecutor, settings, shape: tuple[int, int] | None, step: int,
-                       accumulate_grad_batches: int) -> Schedule | None:
-        """The next rung's plan while the ladder applies (the first ``steps`` steps, no accumulation: a half-done
-        accumulation cannot be run again), else None."""
-        if executor is None or step >= self.steps or accumulate_grad_batches != 1:
-            return None
+    def applies(self, step: int, accumulate_grad_batches: int) -> bool:
+        """Whether an OOM at ``step`` may be re-planned: the first ``steps`` steps, no accumulation (a half-done
+        accumulation cannot be run again), a rung left."""
+        return step < self.steps and accumulate_grad_batches == 1 and self.rung < len(RUNGS)
+
+    def plan_after_oom(self, executor: StreamingExecutor, settings, shape: tuple[int, int] | None) -> Schedule | None:
+        """The next rung's plan, or None when no rung changes the plan. Call it once the failed step's device
+        memory is released: an MILP rung budgets from what is free then."""
         milp = settings.kind() == "milp" and shape is not None
         resolve = milp_resolver(settings, executor, shape) if milp else None
         return self.next_plan(executor.plan, settings.spill_dir, resolve)

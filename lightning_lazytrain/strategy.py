@@ -54,23 +54,19 @@ class LazyTrainStrategy(CheckpointingStrategy):
         overlap_updates: with an optimizer that can update a subset of parameters (``HybridAdamW``), automatic
             optimization and no gradient accumulation, the engine runs the update per layer on a worker thread from
             bf16 host gradients, hidden behind the next forward. ``.grad`` is then not filled on the host.
-        device_update_share: with overlapped updates on CUDA, the share of parameters whose update runs on the GPU
-            at the same time as the CPU's (their gradients stay on the device; masters and states are copied in
-            and out). ``0.0`` (default): all on the CPU, which measured faster on the H200 (docs/benchmarks.md);
-            ``None``: a share chosen from the CPU update rate and the link bandwidth measured at setup (greedy);
-            ``"plan"``: per unit, the update-placement MILP's split from the same rates (``milp_updates.py``, the
-            least wait of the next forward). Other values force that share, also on the CPU accelerator (where the
-            "device" path is the torch reference update on copies: a test of the control flow).
+        device_update_share: share of the parameters whose update runs on the GPU beside the CPU's (CUDA, overlapped
+            updates): ``0.0`` (default) none; ``None`` chosen from the CPU update rate and link measured at setup;
+            ``"plan"`` the update-placement MILP's split (``milp_updates.py``); other values force that share, also
+            on the CPU accelerator (the torch reference update on copies: a test of the control flow).
         timeout_s: longest wait for any transfer before an error names it.
         gpu_activation_gib / cpu_activation_gib / nvme_activation_gib: activation budgets for the MILP (default:
             half the free GPU memory, a quarter of the available host RAM, 80% of the spill dir's free space).
         spill_dir: directory for NVMe activation homes (files are removed at teardown and after a crash).
         checkpoint_io: default ``AtomicCheckpointIO`` (atomic saves, verified loads; see docs/reliability.md).
         solver_time_limit / solver_mip_gap: HiGHS limits for the MILP.
-        generation: how the model's ``generate`` runs (evaluation): ``"auto"`` loads every layer onto the device
-            once per evaluation when they fit beside the KV cache (plain HF decoding speed; freed before training
-            resumes) and otherwise streams them once per decode step for as many prompts as fit; ``"resident"`` /
-            ``"streamed"`` force one. The choice and its bytes are printed.
+        generation: how ``generate`` runs at evaluation: ``"auto"`` loads every layer onto the device once per
+            evaluation when they fit beside the KV cache (freed before training resumes), else streams them per
+            decode step for as many prompts as fit; ``"resident"`` / ``"streamed"`` force one (printed with bytes).
         oom_fallback_steps: an out-of-memory error in the first N optimizer steps re-plans one rung down (smaller
             GPU budget, more recompute, CPU/NVMe homes; ``lightning_lazytrain/oom_ladder.py``) and runs the step
             again; 0 stops at the first.
@@ -256,17 +252,18 @@ class LazyTrainStrategy(CheckpointingStrategy):
                 break
             except torch.OutOfMemoryError as exc:
                 trainer = self.lightning_module.trainer
-                plan = self.oom_ladder.plan_after_oom(self.executor, self.plan_settings, self.resume.plan_shape,
-                                                      trainer.global_step, trainer.accumulate_grad_batches
-                                                      ) if self.replans_alone else None
-                if plan is None:
-                    free = device_free_bytes(self.root_device) if self.root_device.type == "cuda" else None
-                    current = self.executor.plan if self.executor is not None else None
-                    raise gpu_out_of_memory(exc, free, self.resume.plan_shape, current) from exc
-            # outside the except block: the failed step's frames, and the GPU memory they held, are gone
+                if not (self.replans_alone and self.oom_ladder.applies(trainer.global_step,
+                                                                       trainer.accumulate_grad_batches)):
+                    raise gpu_out_of_memory(exc, self._free(), self.resume.plan_shape, self.executor.plan) from exc
+                failure = str(exc)
+            # outside the except block the failed step's frames are gone: free the GPU memory they held before the
+            # next rung is planned, or its budget would be what the failed step left free
             self.executor.discard_step()
             if self.root_device.type == "cuda":
                 torch.cuda.empty_cache()
+            plan = self.oom_ladder.plan_after_oom(self.executor, self.plan_settings, self.resume.plan_shape)
+            if plan is None:
+                raise gpu_out_of_memory(failure, self._free(), self.resume.plan_shape, self.executor.plan)
             self.executor.set_plan(plan, self.num_slots)
         if self.executor is not None:
             self.executor.after_optimizer_step()
@@ -275,6 +272,9 @@ class LazyTrainStrategy(CheckpointingStrategy):
                 stats["predicted_exposed_s"] = float(self.resume.schedule_result.predicted_exposed_seconds)
             self.last_step_stats = stats
         return result
+
+    def _free(self) -> int | None:
+        return device_free_bytes(self.root_device) if self.root_device.type == "cuda" else None
 
     @override
     def teardown(self) -> None:

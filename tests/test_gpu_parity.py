@@ -75,3 +75,32 @@ def test_gpu_device_updates_write_the_streamed_copy_under_bf16_mixed(share):
         assert busy.device > 0
     assert rel_diff(cpu.model.cpu(), model) > 1e-2
     assert rel_diff(dev.model.cpu(), cpu.model.cpu()) <= 1e-5
+
+
+def test_gpu_layer_gradients_leave_the_device_during_the_backward():
+    """Each layer's weight gradients are freed once their copy to the host has run: after the backward, what the
+    run allocates is well under the 24 layers' gradients together (holding them until the update kept 2 bytes per
+    parameter of the whole model on the device, beyond anything a plan counts)."""
+    import lightning.pytorch as pl
+    import torch
+    from test_engine_updates import HybridModule, fit
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=24,
+                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    layer_grad_bytes = 2 * sum(p.numel() for p in model.model.layers.parameters())
+    seen = {}
+
+    class AfterBackward(pl.Callback):
+        def on_after_backward(self, trainer, module):
+            torch.cuda.synchronize()
+            torch.empty(1, device="cuda")  # a malloc lets the allocator take back blocks whose streams are done
+            seen.setdefault("allocated", torch.cuda.memory_allocated() - seen["before"])
+
+    torch.cuda.empty_cache()
+    seen["before"] = torch.cuda.memory_allocated()
+    fit(HybridModule(model, 1.0), batches(2), LazyTrainStrategy(), precision="bf16-mixed", accelerator="gpu",
+        max_steps=1, callbacks=[AfterBackward()])
+    assert 0 < seen["allocated"] < 0.5 * layer_grad_bytes, (seen, layer_grad_bytes)

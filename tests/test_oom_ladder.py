@@ -74,3 +74,34 @@ def test_no_fallback_after_the_first_steps():
     with pytest.raises(GpuMemoryError):
         train(model, batches(2), strategy=strategy)
     assert strategy.oom_ladder.taken == []
+
+
+def test_the_rung_is_planned_after_the_failed_step_has_let_go_of_its_tensors(monkeypatch):
+    """An MILP rung budgets from the device memory free when it is solved: by then the failed step's tensors must
+    be gone (on the H100 a re-plan read inside the except block saw 4.9 of 79 GiB free and refused every plan)."""
+    import weakref
+
+    import lightning_lazytrain.planner as planner
+
+    model, alive_at_budget = tiny_model("qwen2"), []
+    left = {"n": 1}
+
+    def hook(module, args):
+        if left["n"] > 0:
+            left["n"] -= 1
+            left["input"] = weakref.ref(args[0])  # held only by the failing step's frames
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    model.model.layers[1].mlp.register_forward_pre_hook(hook)
+    budgets = planner.budgets
+
+    def spy(settings, executor):
+        if "input" in left:
+            alive_at_budget.append(left["input"]() is not None)
+        return budgets(settings, executor)
+
+    monkeypatch.setattr(planner, "budgets", spy)
+    strategy = LazyTrainStrategy(schedule="milp")
+    train(model, batches(2), strategy=strategy)
+    assert left["n"] == 0 and strategy.oom_ladder.taken  # the step failed once and a rung was taken
+    assert alive_at_budget and not any(alive_at_budget), "an MILP rung was budgeted while the failed step's tensors lived"

@@ -23,7 +23,7 @@ class UnitGrads:
 
     host: torch.Tensor | None = None  # pinned host buffer in the compute dtype (this rank's shard with several)
     ready: object = None  # event: the copy into ``host`` (on the device: the backward) is complete
-    refs: list | None = None  # device tensors the copy still reads; dropped once it is complete
+    refs: list | None = None  # the sharded sink's collective buffers the copy still reads; dropped once it is done
     fresh: bool = False  # gradients arrived since the unit's last update was queued
     on_device: bool = False  # updated on the GPU (``updates/device.py``): gradients kept on the device
     kept: list | None = None  # those device gradients, aligned with ``unit.unique``

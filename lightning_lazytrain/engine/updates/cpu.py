@@ -117,7 +117,6 @@ class UpdateQueue(UnitUpdateQueue):
                                  clip_coef, lr_of)
         else:
             host_wait(handoff.ready, f"the gradient copy of {unit.label}", self.timeout_s)
-            handoff.refs = None
             grads = [handoff.host[unit.unique[i].offset : unit.unique[i].offset + p.numel()].view(p.shape)
                      for i, p in chosen]
             self.optimizer.step_params([p for _, p in chosen], clip_coef, grads, lr_of)
