@@ -62,7 +62,11 @@ def one(checkout: str, system: str, case: str, steps: int, warmup: int, tiny: bo
         "warmup": warmup,
     }
     checkout = os.path.abspath(checkout)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([checkout, os.environ.get("PYTHONPATH", "")]).rstrip(":")}
+    sys.path.insert(0, HERE)
+    from common import allocator_env
+
+    env = {**os.environ, **allocator_env(system),
+           "PYTHONPATH": os.pathsep.join([checkout, os.environ.get("PYTHONPATH", "")]).rstrip(":")}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "row.json")
@@ -76,6 +80,7 @@ def one(checkout: str, system: str, case: str, steps: int, warmup: int, tiny: bo
         with open(out) as f:
             row = json.load(f)
     row["wall_s"] = time.perf_counter() - start
+    row["allocator"] = env.get("PYTORCH_CUDA_ALLOC_CONF")
     if not row.get("library", "").startswith(checkout):
         row["status"] = f"imported {row.get('library')}, not the checkout {checkout}"
     return row

@@ -48,6 +48,15 @@ def random_model(shape: str, device: str = DEVICE, dtype: torch.dtype = torch.fl
         return AutoModelForCausalLM.from_config(qwen_config(shape), dtype=dtype)
 
 
+def allocator_env(system: str) -> dict[str, str]:
+    """The allocator setting a lazytrain user gets (the ``lazytrain`` command and the strategy ask for expandable
+    segments before CUDA starts; the harness builds models on the GPU first, so it sets it for the child); the
+    baselines keep torch's default. A setting in the caller's environment wins."""
+    if not system.startswith("lazytrain") or "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
+        return {}
+    return {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
 def cap_gpu_memory(gib: float) -> None:
     """Emulate a smaller GPU (80 GiB: H800-class, 24 GiB: 3090-class) on the H200."""
     if not GPU:

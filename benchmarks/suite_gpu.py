@@ -115,7 +115,11 @@ def run_row(row: Row, tiny: bool) -> dict:
         )
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "row.json")
-        env = {**os.environ, **row.env}
+        sys.path.insert(0, HERE)
+        from common import allocator_env
+
+        spec["env"] = {**allocator_env(row.system), **row.env}
+        env = {**os.environ, **spec["env"]}
         cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec), "--child-out", out]
         try:
             proc = subprocess.run(cmd, env=env, timeout=row.timeout_s, cwd=os.getcwd())

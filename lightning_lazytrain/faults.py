@@ -136,9 +136,9 @@ class GpuMemoryError(ResourceError):
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
 
-def gpu_out_of_memory(exc: BaseException | str, available: int | None, batch_shape: tuple[int, int] | None,
+def gpu_out_of_memory(exc: BaseException, available: int | None, batch_shape: tuple[int, int] | None,
                       plan: Schedule | None) -> GpuMemoryError:
-    """``exc`` is torch's OutOfMemoryError (or its message); the size it tried to allocate is read from it."""
+    """``exc`` is torch's OutOfMemoryError; the size it tried to allocate is read from its message."""
     found = re.search(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)", str(exc))
     asked = int(float(found.group(1)) * _UNITS[found.group(2)]) if found else None
     shape = f"batch {batch_shape[0]} x {batch_shape[1]}, " if batch_shape else ""

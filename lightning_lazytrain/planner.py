@@ -34,6 +34,9 @@ class PlanSettings:
     solver_time_limit: float = 10.0
     solver_mip_gap: float = 0.01
 
+    def __post_init__(self) -> None:
+        self.kind()  # a schedule string that is not understood fails when the strategy is made
+
     def kind(self) -> str:
         if re.fullmatch(r"interval:\d+", self.schedule.strip()):
             return "interval"

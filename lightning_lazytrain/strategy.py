@@ -22,7 +22,7 @@ from typing_extensions import override
 from lightning_lazytrain.admission import AdmissionReport, admission
 from lightning_lazytrain.checkpointing import CheckpointingStrategy, last_checkpoint
 from lightning_lazytrain.engine import StreamingExecutor
-from lightning_lazytrain.engine.device import device_free_bytes
+from lightning_lazytrain.engine.device import device_free_bytes, prefer_expandable_segments
 from lightning_lazytrain.engine.generation import EvalGeneration
 from lightning_lazytrain.engine.updates.placement import check_share
 from lightning_lazytrain.faults import gpu_out_of_memory
@@ -126,7 +126,7 @@ class LazyTrainStrategy(CheckpointingStrategy):
         self.plan_settings = PlanSettings(schedule, keep_graph_layers, gpu_activation_gib, cpu_activation_gib,
                                           nvme_activation_gib, spill_dir, max_recompute_span, solver_time_limit,
                                           solver_mip_gap)
-        self.plan_settings.kind()
+        prefer_expandable_segments()  # before Lightning starts CUDA
         self.resume = ResumeState()
         self.admission_report: AdmissionReport | None = None
         self.oom_ladder = OomLadder(steps=oom_fallback_steps)
@@ -255,7 +255,7 @@ class LazyTrainStrategy(CheckpointingStrategy):
                 if not (self.replans_alone and self.oom_ladder.applies(trainer.global_step,
                                                                        trainer.accumulate_grad_batches)):
                     raise gpu_out_of_memory(exc, self._free(), self.resume.plan_shape, self.executor.plan) from exc
-                failure = str(exc)
+                failure = exc.with_traceback(None)  # its frames hold the failed step's tensors
             # outside the except block the failed step's frames are gone: free the GPU memory they held before the
             # next rung is planned, or its budget would be what the failed step left free
             self.executor.discard_step()
@@ -263,7 +263,7 @@ class LazyTrainStrategy(CheckpointingStrategy):
                 torch.cuda.empty_cache()
             plan = self.oom_ladder.plan_after_oom(self.executor, self.plan_settings, self.resume.plan_shape)
             if plan is None:
-                raise gpu_out_of_memory(failure, self._free(), self.resume.plan_shape, self.executor.plan)
+                raise gpu_out_of_memory(failure, self._free(), self.resume.plan_shape, self.executor.plan) from failure
             self.executor.set_plan(plan, self.num_slots)
         if self.executor is not None:
             self.executor.after_optimizer_step()

@@ -104,4 +104,4 @@ def test_the_rung_is_planned_after_the_failed_step_has_let_go_of_its_tensors(mon
     strategy = LazyTrainStrategy(schedule="milp")
     train(model, batches(2), strategy=strategy)
     assert left["n"] == 0 and strategy.oom_ladder.taken  # the step failed once and a rung was taken
-    assert alive_at_budget and not any(alive_at_budget), "an MILP rung was budgeted while the failed step's tensors lived"
+    assert alive_at_budget and not any(alive_at_budget), "a rung was budgeted while the failed step's tensors lived"

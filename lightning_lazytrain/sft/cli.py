@@ -16,7 +16,6 @@ datamodule or trainer from the config is reported as a config error, and a bad d
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 import traceback
 import warnings
@@ -35,6 +34,7 @@ from omegaconf.errors import OmegaConfBaseException
 # happen before LightningCLI resolves `trainer.strategy`.
 import lightning_lazytrain  # noqa: F401
 from lightning_lazytrain.checkpoint.hf_export import export_dtype, export_hf
+from lightning_lazytrain.engine.device import prefer_expandable_segments
 from lightning_lazytrain.sft.data.errors import DataError, DataSettingError
 from lightning_lazytrain.sft.data.settings import check_settings
 from lightning_lazytrain.sft.data.sft import SFTDataModule
@@ -203,10 +203,7 @@ def main(args: list[str] | None = None) -> int:
     ``--help``/``--print_config`` end the process by ``SystemExit`` with its status (2, or 0).
     """
     argv = _with_default_config(resolve_config_args(list(sys.argv[1:] if args is None else args)))
-    # Read when CUDA's caching allocator starts, so before anything touches the GPU. Near a memory cap the
-    # streamed layers' varying working sets fragment fixed segments: Qwen2.5-7B at batch 16 under a 24 GiB cap
-    # ran out of memory without it and ran with it (docs/benchmarks.md, P5). A user's own setting wins.
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    prefer_expandable_segments()  # read when CUDA's caching allocator starts: before anything touches the GPU
     problem = config_problem(argv)
     if problem:
         return _fail(problem)
