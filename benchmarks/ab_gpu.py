@@ -62,8 +62,7 @@ def one(checkout: str, system: str, case: str, steps: int, warmup: int, tiny: bo
         "warmup": warmup,
     }
     checkout = os.path.abspath(checkout)
-    sys.path.insert(0, HERE)
-    from common import allocator_env
+    from common import allocator_env  # main put this folder on the path
 
     env = {**os.environ, **allocator_env(system),
            "PYTHONPATH": os.pathsep.join([checkout, os.environ.get("PYTHONPATH", "")]).rstrip(":")}

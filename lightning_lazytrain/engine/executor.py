@@ -155,15 +155,14 @@ class StreamingExecutor:
     def resident_tensors(self) -> list[torch.Tensor]:
         """The device copy of embedding/norm/head as autograd leaves, re-uploaded after the masters changed."""
         unit = self.resident_unit
-        versions = self.store.versions
-        versions.refresh(unit)
-        if self._resident_leaves is None or self._resident_generation != versions.generation[unit.index]:
+        generation = self.store.versions.refresh(unit)
+        if self._resident_leaves is None or self._resident_generation != generation:
             # A validation loop may be first to run, under inference mode; these leaves must outlive it.
             with torch.inference_mode(False):
                 self._resident_buf.copy_(unit.stream, non_blocking=True)
                 views = [self._resident_buf[e.offset : e.offset + e.numel].view(e.shape) for e in unit.unique]
                 self._resident_leaves = leaves_of(views, unit)
-            self._resident_generation = versions.generation[unit.index]
+            self._resident_generation = generation
         return self._resident_leaves
 
     def run_stack(self, hidden: torch.Tensor) -> torch.Tensor:

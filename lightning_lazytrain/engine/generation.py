@@ -61,11 +61,11 @@ class ResidentLayers:
         """Copy the layers whose masters changed since the last copy (all of them the first time)."""
         with torch.inference_mode(False):
             for k, unit in enumerate(self.units):
-                self.versions.refresh(unit)  # waits for an optimizer update still running on a worker thread
-                if self.generations[k] != self.versions.generation[unit.index]:
+                generation = self.versions.refresh(unit)  # waits for an update still running on a worker thread
+                if self.generations[k] != generation:
                     start = self.offsets[k]
                     self.buffer[start : start + unit.numel].copy_(unit.stream, non_blocking=True)
-                    self.generations[k] = self.versions.generation[unit.index]
+                    self.generations[k] = generation
 
     def views(self, k: int) -> list[torch.Tensor]:
         start = self.offsets[k]

@@ -92,10 +92,9 @@ class UpdateQueue(UnitUpdateQueue):
     def __init__(self, optimizer: torch.optim.Optimizer, versions: WeightVersions, sink: HandoffSink,
                  timeout_s: float, device_path: DeviceUpdatePath | None = None) -> None:
         super().__init__(optimizer, versions, sink, timeout_s)
-        units = self.units
         managed = managed_ids(optimizer)
         self._params = {
-            u.index: [(i, e.param) for i, e in enumerate(u.unique) if id(e.param) in managed] for u in units
+            u.index: [(i, e.param) for i, e in enumerate(u.unique) if id(e.param) in managed] for u in self.units
         }
         self.device_path = device_path
         self._device_pool = None

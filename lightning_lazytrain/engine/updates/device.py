@@ -34,6 +34,16 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
+def staging_bytes(unit: ParamUnit, optimizer: torch.optim.Optimizer) -> int:
+    """Device bytes one staging buffer needs for ``unit``: each parameter's master, state tensors and stream copy."""
+    total = 0
+    for e in unit.unique:
+        states = optimizer.state_tensors(e.param)
+        total += _aligned(e.numel * e.param.element_size()) + sum(_aligned(t.nbytes) for t in states)
+        total += _aligned(e.numel * 2)  # a bf16 stream copy (counted whether or not one is registered)
+    return total
+
+
 class DeviceUpdatePath:
     """Runs the updates of ``units`` (those assigned to the device), called from ``IN_FLIGHT`` worker threads."""
 
@@ -45,7 +55,7 @@ class DeviceUpdatePath:
         self.copy_in, self.compute, self.copy_out = ((torch.cuda.Stream(queues.device) for _ in range(3)) if cuda
                                                      else (None, None, None))
         self._registered: list[int] = []
-        nbytes = max((self._staged_bytes(u) for u in units), default=0)
+        nbytes = max((staging_bytes(u, optimizer) for u in units), default=0)
         self._staging: queue.Queue = queue.Queue()
         for _ in range(IN_FLIGHT):
             self._staging.put((torch.empty(nbytes, dtype=torch.uint8, device=queues.device), None))
@@ -55,15 +65,6 @@ class DeviceUpdatePath:
                 for e in unit.unique:
                     for t in optimizer.state_tensors(e.param):
                         self._pin(t)
-
-    def _staged_bytes(self, unit: ParamUnit) -> int:
-        """Staging bytes of ``unit``: each parameter's master, state tensors and stream copy."""
-        total = 0
-        for e in unit.unique:
-            states = self.optimizer.state_tensors(e.param)
-            total += _aligned(e.numel * e.param.element_size()) + sum(_aligned(t.nbytes) for t in states)
-            total += _aligned(e.numel * 2)  # a bf16 stream copy (counted whether or not one is registered)
-        return total
 
     def _pin(self, t: torch.Tensor) -> None:
         """Page-lock ``t`` in place (cudaHostRegister), so the copies in and out are asynchronous DMA."""

@@ -26,6 +26,7 @@ from typing import Literal
 
 import torch
 
+from lightning_lazytrain.engine.updates.device import IN_FLIGHT, staging_bytes
 from lightning_lazytrain.engine.weights.layout import ParamUnit
 
 log = logging.getLogger(__name__)
@@ -142,9 +143,9 @@ def assign_device_updates(units: list[ParamUnit], optimizer: torch.optim.Optimiz
     else:
         flags = [False] * len(units)
     on_device = [t for t, f in zip(traffic, flags, strict=True) if f]
-    # kept gradients until their update ran, two units' staging (master, states, stream copy: DeviceUpdatePath
-    # keeps two in flight) and the update's temporaries for the largest parameter
-    staging = 2 * max((t.d2h_bytes for t in on_device), default=0)
+    # kept gradients until their update ran, the staging buffers DeviceUpdatePath allocates (one per unit in
+    # flight) and the update's temporaries for the largest parameter
+    staging = IN_FLIGHT * max((staging_bytes(u, optimizer) for u, f in zip(units, flags) if f), default=0)
     work = UPDATE_WORK_BYTES_PER_ELEMENT * max((t.largest for t in on_device), default=0)
     return flags, sum(t.grad_bytes for t in on_device) + staging + work
 

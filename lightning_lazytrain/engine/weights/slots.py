@@ -64,8 +64,7 @@ class SlotPool:
         return sum(s.buffer.numel() * s.buffer.element_size() for s in self.slots)
 
     def _find(self, unit: ParamUnit) -> Slot | None:
-        self.versions.refresh(unit)
-        generation = self.versions.generation[unit.index]
+        generation = self.versions.refresh(unit)
         for slot in self.slots:
             if slot.holds(unit, generation):
                 return slot

@@ -59,14 +59,16 @@ class WeightVersions:
         """Every unit's masters changed in place: the streamed copies are stale until refreshed."""
         self._stale = [True] * len(self.units)
 
-    def refresh(self, unit: ParamUnit) -> None:
-        """Make ``unit``'s streamed copy current: wait for its update, cast the masters where they changed."""
+    def refresh(self, unit: ParamUnit) -> int:
+        """Make ``unit``'s streamed copy current (wait for its update, cast the masters where they changed) and
+        return its generation, which a device copy of it compares with."""
         self.wait(unit)
         if self._stale[unit.index]:
             if unit.stream.data_ptr() != unit.master.data_ptr():
                 unit.stream.copy_(unit.master)
             self.generation[unit.index] += 1
             self._stale[unit.index] = False
+        return self.generation[unit.index]
 
     def take_wait_seconds(self) -> float:
         """Seconds spent waiting for updates since the last call."""
