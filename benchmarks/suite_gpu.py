@@ -119,7 +119,9 @@ def run_row(row: Row, tiny: bool) -> dict:
         from common import allocator_env
 
         spec["env"] = {**allocator_env(row.system), **row.env}
-        env = {**os.environ, **spec["env"]}
+        # the child imports this checkout, installed or not
+        path = os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env = {**os.environ, **spec["env"], "PYTHONPATH": path}
         cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec), "--child-out", out]
         try:
             proc = subprocess.run(cmd, env=env, timeout=row.timeout_s, cwd=os.getcwd())
