@@ -79,8 +79,10 @@ def test_gpu_device_updates_write_the_streamed_copy_under_bf16_mixed(share):
 
 def test_gpu_layer_gradients_leave_the_device_during_the_backward():
     """Each layer's weight gradients are freed once their copy to the host has run: after the backward, what the
-    run allocates is well under the 24 layers' gradients together (holding them until the update kept 2 bytes per
-    parameter of the whole model on the device, beyond anything a plan counts)."""
+    run allocates beyond its weight slots and resident embedding/head is well under the 24 layers' gradients
+    together (holding them until the update kept 2 bytes per parameter of the whole model on the device, beyond
+    anything a plan counts). The slots are left out because a plan that keeps every graph on a large GPU sizes the
+    pool at one slot per layer, as large as the gradients themselves."""
     import lightning.pytorch as pl
     import torch
     from test_engine_updates import HybridModule, fit
@@ -97,10 +99,12 @@ def test_gpu_layer_gradients_leave_the_device_during_the_backward():
         def on_after_backward(self, trainer, module):
             torch.cuda.synchronize()
             torch.empty(1, device="cuda")  # a malloc lets the allocator take back blocks whose streams are done
-            seen.setdefault("allocated", torch.cuda.memory_allocated() - seen["before"])
+            executor = trainer.strategy.executor
+            held = executor.pool.nbytes + executor.resident_device_bytes
+            seen.setdefault("allocated", torch.cuda.memory_allocated() - seen["before"] - held)
 
     torch.cuda.empty_cache()
     seen["before"] = torch.cuda.memory_allocated()
     fit(HybridModule(model, 1.0), batches(2), LazyTrainStrategy(), precision="bf16-mixed", accelerator="gpu",
         max_steps=1, callbacks=[AfterBackward()])
-    assert 0 < seen["allocated"] < 0.5 * layer_grad_bytes, (seen, layer_grad_bytes)
+    assert seen["allocated"] < 0.5 * layer_grad_bytes, (seen, layer_grad_bytes)
