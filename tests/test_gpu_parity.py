@@ -82,14 +82,16 @@ def test_gpu_layer_gradients_leave_the_device_during_the_backward():
     run allocates beyond its weight slots and resident embedding/head is well under the 24 layers' gradients
     together (holding them until the update kept 2 bytes per parameter of the whole model on the device, beyond
     anything a plan counts). The slots are left out because a plan that keeps every graph on a large GPU sizes the
-    pool at one slot per layer, as large as the gradients themselves."""
+    pool at one slot per layer, as large as the gradients themselves. The layers are wide enough (0.7 GB of bf16
+    gradients) that cuBLAS's per-stream workspaces (32 MiB each on Hopper, from the same allocator) stay well under
+    the bound."""
     import lightning.pytorch as pl
     import torch
     from test_engine_updates import HybridModule, fit
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    cfg = Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=24,
-                      num_attention_heads=4, num_key_value_heads=2)
+    cfg = Qwen2Config(vocab_size=512, hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                      num_attention_heads=8, num_key_value_heads=2)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
     layer_grad_bytes = 2 * sum(p.numel() for p in model.model.layers.parameters())
