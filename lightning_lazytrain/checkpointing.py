@@ -107,7 +107,7 @@ class CheckpointingStrategy(ProcessGroupStrategy):
             return
         super().load_model_state_dict(checkpoint, strict=strict)
         if self.executor is not None:
-            self.executor.after_optimizer_step()
+            self.executor.host_state_loaded(masters=True)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -116,6 +116,8 @@ class CheckpointingStrategy(ProcessGroupStrategy):
             return
         for optimizer, state in zip(self.optimizers, states):
             optimizer.load_state_dict(state)
+        if self.executor is not None:
+            self.executor.host_state_loaded(masters=False)
 
 
 def last_checkpoint(trainer: pl.Trainer) -> str:

@@ -43,6 +43,7 @@ from lightning_lazytrain import node_load
 from lightning_lazytrain.checkpoint import sharded as sharded_checkpoint
 from lightning_lazytrain.engine import StreamingExecutor
 from lightning_lazytrain.engine.updates.paths import UpdatePath, direct_path, host_path, sharded_path
+from lightning_lazytrain.engine.updates.placement import DeviceUpdates
 from lightning_lazytrain.engine.weights.store import HostParamStore
 from lightning_lazytrain.engine.weights.topology import Topology, build_topology
 from lightning_lazytrain.optim.hybrid_adamw import defer_state_allocation
@@ -171,7 +172,7 @@ class ProcessGroupStrategy(ParallelStrategy):
         return defer_state_allocation() if self.distributed else contextlib.nullcontext()
 
     def update_path(self, training: bool, optimizer: torch.optim.Optimizer | None, engine_can_update: bool,
-                    device_update_share: float | str | None) -> UpdatePath:
+                    device_updates: DeviceUpdates) -> UpdatePath:
         """The run's gradient/update path: for training, sharded with several processes (the only way they train),
         else the engine's per-unit updates when the optimizer and loop allow them, else host gradients for
         Lightning's optimizer step; evaluation runs no backward and gets the host path."""
@@ -187,7 +188,7 @@ class ProcessGroupStrategy(ParallelStrategy):
                 )
             return sharded_path(store, queues, optimizer, timeout)
         if training and engine_can_update:
-            return direct_path(store, queues, optimizer, device_update_share, timeout)
+            return direct_path(store, queues, optimizer, device_updates, timeout)
         return host_path(store, queues, executor.slot_numel, timeout)
 
     @property

@@ -24,7 +24,7 @@ from lightning_lazytrain.checkpointing import CheckpointingStrategy, last_checkp
 from lightning_lazytrain.engine import StreamingExecutor
 from lightning_lazytrain.engine.device import device_free_bytes, prefer_expandable_segments
 from lightning_lazytrain.engine.generation import EvalGeneration
-from lightning_lazytrain.engine.updates.placement import check_share
+from lightning_lazytrain.engine.updates.placement import DeviceStates, check_device_updates
 from lightning_lazytrain.faults import gpu_out_of_memory
 from lightning_lazytrain.models import adapter_for, find_hf_model
 from lightning_lazytrain.oom_ladder import OomLadder
@@ -33,7 +33,7 @@ from lightning_lazytrain.precision import LazyTrainPrecision
 from lightning_lazytrain.replan import LinkDrift, MilpPlan
 from lightning_lazytrain.resume import ResumeState
 from lightning_lazytrain.schedule import Schedule
-from lightning_lazytrain.schedule.generation import GENERATION_MODES, GenerationMode
+from lightning_lazytrain.schedule.generation import GenerationMode, check_generation_mode
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,8 @@ class LazyTrainStrategy(CheckpointingStrategy):
             updates): ``0.0`` (default) none; ``None`` chosen from the CPU update rate and link measured at setup;
             ``"plan"`` the update-placement MILP's split (``milp_updates.py``); other values force that share, also
             on the CPU accelerator (the torch reference update on copies: a test of the control flow).
+        device_update_states: where that share's fp32 masters and optimizer states live between steps: ``"resident"``
+            on the GPU, ``"staged"`` copied in and out per update, ``"auto"`` resident on CUDA as far as they fit.
         timeout_s: longest wait for any transfer before an error names it.
         gpu_activation_gib / cpu_activation_gib / nvme_activation_gib: activation budgets for the MILP (default:
             half the free GPU memory, a quarter of the available host RAM, 80% of the spill dir's free space).
@@ -92,6 +94,7 @@ class LazyTrainStrategy(CheckpointingStrategy):
         pin_memory: bool | None = None,
         overlap_updates: bool = True,
         device_update_share: float | Literal["plan"] | None = 0.0,
+        device_update_states: DeviceStates = "auto",
         timeout_s: float = 600.0,
         gpu_activation_gib: float | None = None,
         cpu_activation_gib: float | None = None,
@@ -116,10 +119,8 @@ class LazyTrainStrategy(CheckpointingStrategy):
         self.timeout_s = timeout_s
         self.force_distributed = force_distributed
         self.overlap_updates = overlap_updates
-        self.device_update_share = check_share(device_update_share)
-        if generation not in GENERATION_MODES:
-            raise ValueError(f"generation must be one of {GENERATION_MODES}, got {generation!r}")
-        self.generation_mode = generation
+        self.device_updates = check_device_updates(device_update_share, device_update_states)
+        self.generation_mode = check_generation_mode(generation)
         self.generation: EvalGeneration | None = None
         self.executor: StreamingExecutor | None = None
         self.last_step_stats: dict[str, float] = {}
@@ -183,13 +184,12 @@ class LazyTrainStrategy(CheckpointingStrategy):
         if self.executor.path is None:
             optimizer = self.optimizers[0] if fitting and self.optimizers else None
             self.executor.use_path(self.update_path(fitting, optimizer, fitting and self._engine_can_update(trainer),
-                                                    self.device_update_share))
+                                                    self.device_updates))
         engine_step = self._engine_step if fitting and self.executor.updates is not None else None
         precision.bind(self.root_device.type, self._drain_gradients, engine_step)
         if fitting:
             optimizer = self.executor.path.optimizer or (self.optimizers[0] if self.optimizers else None)
-            report = admission(self.executor, optimizer, precision.precision, *self.host_share)
-            self.admission_report = report
+            self.admission_report = report = admission(self.executor, optimizer, precision.precision, *self.host_share)
             report.check()
             log.info("lazytrain admission:\n%s", report.table())
         self.setup_precision_plugin()

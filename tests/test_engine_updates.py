@@ -222,8 +222,8 @@ def test_plan_share_uses_the_milp_split(monkeypatch):
         return seen["split"]
 
     def assign_spy(*args):
-        seen["flags"], reserve = assign(*args)
-        return seen["flags"], reserve
+        seen["flags"], reserve, resident = assign(*args)
+        return seen["flags"], reserve, resident
 
     monkeypatch.setattr(placement, "measure_cpu_update_rate", lambda optimizer: 5e9)  # params/s, H200 link: 55 GB/s
     monkeypatch.setattr(milp_updates, "solve_updates", solve_spy)

@@ -32,8 +32,8 @@ def test_gpu_bf16_mixed_close_to_plain():
 @pytest.mark.parametrize("fraction", [0.0, 1.0])
 @pytest.mark.parametrize("share", [0.5, 1.0])
 def test_gpu_device_updates_match_cpu_updates(fraction, share):
-    """Updates on the GPU (gradients kept there, masters and states copied in and out on their own stream) give
-    the CPU kernel's numbers."""
+    """Updates on the GPU (gradients kept there; masters and states resident there, the default on CUDA, and
+    copied out on their own stream) give the CPU kernel's numbers."""
     import copy
 
     import lightning.pytorch as pl
@@ -55,12 +55,14 @@ def test_gpu_device_updates_match_cpu_updates(fraction, share):
     assert rel_diff(dev.model.cpu(), cpu.model.cpu()) <= 1e-5
 
 
+@pytest.mark.parametrize("states", ["staged", "resident"])
 @pytest.mark.parametrize("share", [0.5, "plan"])
-def test_gpu_device_updates_write_the_streamed_copy_under_bf16_mixed(share):
-    """bf16-mixed, 8-bit states: the pipelined device path (two units in flight, copies in and out on their own
-    streams) against every update on the CPU kernel; a stale bf16 copy or a unit read before its copy out ended
-    differs by ~1e-3. ``"plan"``: the MILP's split from the measured link and CPU rate (it may pick no unit for
-    so small a model; the fixed share must run some)."""
+def test_gpu_device_updates_write_the_streamed_copy_under_bf16_mixed(share, states):
+    """bf16-mixed, 8-bit states: the device path (staged: two units in flight, copies in and out on their own
+    streams; resident: masters and states kept on the device, copied out behind the stream copy) against every
+    update on the CPU kernel; a stale bf16 copy or a unit read before its copy out ended differs by ~1e-3.
+    ``"plan"``: the MILP's split from the measured link and CPU rate (it may pick no unit for so small a model; the
+    fixed share must run some)."""
     import copy
 
     from test_engine_updates import BusySeconds, HybridModule, fit
@@ -69,7 +71,8 @@ def test_gpu_device_updates_write_the_streamed_copy_under_bf16_mixed(share):
     busy = BusySeconds()
     cpu, _ = fit(HybridModule(copy.deepcopy(model), 1.0), data, LazyTrainStrategy(device_update_share=0.0),
                  precision="bf16-mixed", accelerator="gpu", gradient_clip_val=0.05)
-    dev, _ = fit(HybridModule(copy.deepcopy(model), 1.0), data, LazyTrainStrategy(device_update_share=share),
+    dev, _ = fit(HybridModule(copy.deepcopy(model), 1.0), data,
+                 LazyTrainStrategy(device_update_share=share, device_update_states=states),
                  precision="bf16-mixed", accelerator="gpu", gradient_clip_val=0.05, callbacks=[busy])
     if share != "plan":
         assert busy.device > 0

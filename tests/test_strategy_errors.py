@@ -137,3 +137,8 @@ def test_device_update_share_out_of_range_names_the_range(share):
     expected = r"device_update_share must be in \[0, 1\], 'plan' \(the MILP's split\) or None"
     with pytest.raises(ValueError, match=expected):
         LazyTrainStrategy(device_update_share=share)
+
+
+def test_device_update_states_names_the_choices():
+    with pytest.raises(ValueError, match=r"device_update_states must be one of \('auto', 'resident', 'staged'\)"):
+        LazyTrainStrategy(device_update_states="gpu")

@@ -193,6 +193,14 @@ class StreamingExecutor:
         if self.updates is None:
             self.store.versions.masters_changed()
 
+    def host_state_loaded(self, masters: bool) -> None:
+        """A checkpoint load rewrote the host masters (``masters``) or replaced the optimizer states: the streamed
+        copies and any device copy of them are refreshed before they are read again."""
+        if masters:
+            self.store.versions.masters_changed()
+        if self.path is not None:
+            self.path.host_state_changed()
+
     def direct_step(self, clip_val: float | None, guard: NonFiniteGuard, step: int) -> bool:
         """Queue this step's engine updates; False when a non-finite gradient norm skips the step."""
         assert self.path is not None

@@ -27,9 +27,9 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_lazytrain.engine.device import device_free_bytes
 from lightning_lazytrain.engine.weights.binding import bound
 from lightning_lazytrain.schedule.generation import (
-    GENERATION_MODES,
     GenerationMode,
     GenerationPlan,
+    check_generation_mode,
     generation_costs,
     plan_generation,
 )
@@ -77,8 +77,7 @@ class EvalGeneration:
     ``"resident"`` or ``"streamed"`` (forced)."""
 
     def __init__(self, executor: StreamingExecutor, mode: GenerationMode = "auto") -> None:
-        if mode not in GENERATION_MODES:
-            raise ValueError(f"generation must be one of {GENERATION_MODES}, got {mode!r}")
+        check_generation_mode(mode)
         self.executor, self.mode = executor, mode
         self.resident: ResidentLayers | None = None
         self.last_plan: GenerationPlan | None = None

@@ -15,6 +15,14 @@ from lightning_lazytrain.units import GIB
 
 GenerationMode = Literal["auto", "resident", "streamed"]
 GENERATION_MODES = ("auto", "resident", "streamed")
+
+
+def check_generation_mode(mode: str) -> GenerationMode:
+    """``mode`` if it is a ``generation`` value, else a ValueError naming the ones there are."""
+    if mode not in GENERATION_MODES:
+        raise ValueError(f"generation must be one of {GENERATION_MODES}, got {mode!r}")
+    return mode  # type: ignore[return-value]
+
 #: share of the free device memory a generation plan may take: the caching allocator rounds and fragments
 DEVICE_USABLE_SHARE = 0.9
 

@@ -104,6 +104,17 @@ class UpdateQueue(UnitUpdateQueue):
     def schedule(self, clip_coef: float) -> None:
         self._submit(clip_coef)
 
+    def wait_all(self) -> None:
+        super().wait_all()
+        if self.device_path is not None:
+            self.device_path.drain()  # resident units' masters and states are copied out after their jobs end
+
+    def host_state_changed(self) -> None:
+        """Masters or optimizer states were loaded into the host tensors: device copies must be refreshed."""
+        self.wait_all()
+        if self.device_path is not None:
+            self.device_path.host_state_changed()
+
     def _pool_for(self, unit: ParamUnit) -> ThreadPoolExecutor:
         return self._device_pool if self.sink.of(unit).on_device and self._device_pool is not None else self._pool
 

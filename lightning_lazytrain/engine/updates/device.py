@@ -1,16 +1,22 @@
 """Some units' optimizer updates on the GPU, beside the CPU's (``placement.py`` says which), pipelined over units.
 
-A device unit's gradients stay on the device after the backward (no D2H). Its update moves the fp32 masters and
-optimizer states in, runs the same math as the CPU kernel (``optim.reference.reference_step``, from
-``HybridAdamW.prepare_update``'s scalars) and moves masters, states and the bf16 stream copy out. The host tensors
-stay the only state, so checkpoints and resume see nothing different.
+A device unit's gradients stay on the device after the backward (no D2H). Its update runs the same math as the CPU
+kernel (``optim.reference.reference_step``, from ``HybridAdamW.prepare_update``'s scalars) on device copies of the
+fp32 masters and optimizer states, and moves masters, states and the bf16 stream copy out, so the host tensors stay
+current and checkpoints, resume and callbacks see nothing different. Where the copies live between steps:
 
-Each phase has its own stream: copies in (H2D), the update, copies out (D2H). Two units are in flight, each in one
-of two staging buffers, launched by the two threads of the device worker pool: while unit ``k`` is updated, unit
-``k + 1`` is copied in and unit ``k - 1`` copied out, so both directions of the link stay busy (the split in
-``placement.py`` assumes this). A staging buffer is handed on with the event of its last copy out, which the next
-unit's copies in wait for on the device; the host never blocks there. A unit's job returns, and its
-``WeightVersions`` hold ends, only once its own copies out have finished, so no reader sees half-written weights.
+- staged: two staging buffers, refilled for every update. Each phase has its own stream: copies in (H2D), the
+  update, copies out (D2H). Two units are in flight, launched by the two threads of the device worker pool: while
+  unit ``k`` is updated, unit ``k + 1`` is copied in and unit ``k - 1`` copied out. A staging buffer is handed on
+  with the event of its last copy out, which the next unit's copies in wait for on the device.
+- resident: each unit keeps its own device copy of masters and states, copied in once (and again when the host
+  tensors were replaced or rewritten: a resume, a load). An update then moves nothing in: the H2D direction,
+  which the next forward's weight copies need, stays free. The stream copy goes out first and is all the next
+  forward waits for; masters and states follow on the same stream while the D2H direction is otherwise idle (the
+  forward sends nothing back), and ``drain`` waits for them before anything reads host state.
+
+A unit's job returns, and its ``WeightVersions`` hold ends, only once the copy the next forward streams is back in
+host memory, so no reader sees half-written weights.
 """
 
 from __future__ import annotations
@@ -44,31 +50,45 @@ def staging_bytes(unit: ParamUnit, optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
+def _streamed(host: dict[str, torch.Tensor]) -> str:
+    """Which of a parameter's tensors the next forward streams: its bf16 copy, or the master itself."""
+    return "copy" if "copy" in host else "param"
+
+
 class DeviceUpdatePath:
-    """Runs the updates of ``units`` (those assigned to the device), called from ``IN_FLIGHT`` worker threads."""
+    """Runs the updates of ``units`` (those assigned to the device), called from ``IN_FLIGHT`` worker threads;
+    ``resident``: masters and states stay on the device between steps (module docstring)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, units: list[ParamUnit], queues: DeviceQueues,
-                 timeout_s: float) -> None:
+                 timeout_s: float, resident: bool = False) -> None:
         self.optimizer, self.queues, self.timeout_s = optimizer, queues, timeout_s
-        self.units = units
+        self.units, self.resident = units, resident
         cuda = queues.is_cuda
         self.copy_in, self.compute, self.copy_out = ((torch.cuda.Stream(queues.device) for _ in range(3)) if cuda
                                                      else (None, None, None))
         self._registered: list[int] = []
-        nbytes = max((staging_bytes(u, optimizer) for u in units), default=0)
         self._staging: queue.Queue = queue.Queue()
-        for _ in range(IN_FLIGHT):
-            self._staging.put((torch.empty(nbytes, dtype=torch.uint8, device=queues.device), None))
-        if cuda:
-            for unit in self.units:
-                self._pin(unit.master)
-                for e in unit.unique:
-                    for t in optimizer.state_tensors(e.param):
-                        self._pin(t)
+        self._homes: dict[int, torch.Tensor] = {}
+        self._last_out: dict[int, object] = {}  # resident: each home's latest copies out
+        self._sources: dict[int, tuple[int, ...]] = {}  # resident: the host tensors each home was copied from
+        self.copies_in = 0  # units whose masters and states were copied in (resident: once each, and after loads)
+        if resident:
+            for unit in units:
+                self._homes[unit.index] = torch.empty(staging_bytes(unit, optimizer), dtype=torch.uint8,
+                                                      device=queues.device)
+        else:
+            nbytes = max((staging_bytes(u, optimizer) for u in units), default=0)
+            for _ in range(IN_FLIGHT):
+                self._staging.put((torch.empty(nbytes, dtype=torch.uint8, device=queues.device), None))
+        for unit in self.units:
+            self._pin(unit.master)
+            for e in unit.unique:
+                for t in optimizer.state_tensors(e.param):
+                    self._pin(t)
 
     def _pin(self, t: torch.Tensor) -> None:
         """Page-lock ``t`` in place (cudaHostRegister), so the copies in and out are asynchronous DMA."""
-        if t.is_pinned() or t.numel() == 0:
+        if not self.queues.is_cuda or t.is_pinned() or t.numel() == 0:
             return
         ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
         err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
@@ -78,14 +98,25 @@ class DeviceUpdatePath:
             return
         self._registered.append(ptr)
 
+    def _take_buffer(self, unit: ParamUnit) -> tuple[torch.Tensor, object]:
+        if self.resident:
+            return self._homes[unit.index], self._last_out.get(unit.index)
+        return self._staging.get()
+
+    def _give_back(self, unit: ParamUnit, buffer: torch.Tensor, done: object) -> None:
+        if self.resident:
+            self._last_out[unit.index] = done
+        else:
+            self._staging.put((buffer, done))
+
     @torch.no_grad()
     def run(self, unit: ParamUnit, params: list[torch.Tensor], grads: list[torch.Tensor | None], ready: object,
             clip_coef: float, lr_of: dict[int, float]) -> None:
         """Update ``params`` of ``unit`` from ``grads`` (device tensors; ``ready``: the event after the backward
-        that produced them) and return once the results are back in host memory."""
+        that produced them) and return once the stream copy (staged: everything) is back in host memory."""
         q = self.queues
-        buffer, last_out = self._staging.get()
-        done = last_out
+        buffer, last_out = self._take_buffer(unit)
+        done = visible = last_out
         try:
             with q.on(self.compute):
                 # a parameter the backward left without a gradient is updated with zeros, as the CPU path does
@@ -101,15 +132,10 @@ class DeviceUpdatePath:
                     staged[name] = buffer[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
                     offset += _aligned(t.nbytes)
                 jobs.append((host, staged, g, scalars))
-            with q.on(self.copy_in):
-                q.wait(last_out, self.copy_in)  # the buffer's previous unit has been copied out
-                for host, staged, _, _ in jobs:
-                    for name, t in host.items():
-                        if name != "copy":  # written by the update, read by nobody before
-                            staged[name].copy_(t, non_blocking=True)
-                copied_in = q.record(self.copy_in)
+            copied_in = self._copy_in(unit, jobs, last_out)
             with q.on(self.compute):
                 q.wait(copied_in, self.compute)
+                q.wait(last_out, self.compute)  # resident: the previous copies out still read this home
                 q.wait(ready, self.compute)
                 for _, staged, g, scalars in jobs:
                     state = {k: v for k, v in staged.items() if k not in ("param", "copy")}
@@ -118,19 +144,66 @@ class DeviceUpdatePath:
             if self.compute is not None:
                 for g in kept:
                     g.record_stream(self.compute)  # allocated on the training's compute stream, read on this one
-            with q.on(self.copy_out):
-                q.wait(updated, self.copy_out)
-                for host, staged, _, _ in jobs:
-                    for name, t in host.items():
-                        t.copy_(staged[name], non_blocking=True)
-                done = q.record(self.copy_out)
+            visible, done = self._copy_out(jobs, updated)
         finally:
-            self._staging.put((buffer, done))
-        host_wait(done, f"the device update of {unit.label}", self.timeout_s)
+            self._give_back(unit, buffer, done)
+        host_wait(visible, f"the device update of {unit.label}", self.timeout_s)
+
+    def _copy_in(self, unit: ParamUnit, jobs: list, last_out: object) -> object:
+        """Copy masters and states in (staged: always; resident: when the home is not from these host tensors)."""
+        q = self.queues
+        sources = tuple(t.data_ptr() for host, _, _, _ in jobs for name, t in host.items() if name != "copy")
+        if self.resident and self._sources.get(unit.index) == sources:
+            return None
+        if self.resident:  # new host tensors (a resume replaced the states): page-lock them too
+            for host, _, _, _ in jobs:
+                for t in host.values():
+                    self._pin(t)
+        with q.on(self.copy_in):
+            q.wait(last_out, self.copy_in)  # the buffer's previous unit has been copied out
+            for host, staged, _, _ in jobs:
+                for name, t in host.items():
+                    if name != "copy":  # written by the update, read by nobody before
+                        staged[name].copy_(t, non_blocking=True)
+            copied_in = q.record(self.copy_in)
+        if self.resident:
+            self._sources[unit.index] = sources
+        self.copies_in += 1
+        return copied_in
+
+    def _copy_out(self, jobs: list, updated: object) -> tuple[object, object]:
+        """Copy the results out; (event after what the next forward streams, event after everything)."""
+        q = self.queues
+        with q.on(self.copy_out):
+            q.wait(updated, self.copy_out)
+            if self.resident:
+                for host, staged, _, _ in jobs:
+                    name = _streamed(host)
+                    host[name].copy_(staged[name], non_blocking=True)
+                visible = q.record(self.copy_out)
+            for host, staged, _, _ in jobs:
+                for name, t in host.items():
+                    if not (self.resident and name == _streamed(host)):
+                        t.copy_(staged[name], non_blocking=True)
+            done = q.record(self.copy_out)
+        return (visible if self.resident else done), done
+
+    def host_state_changed(self) -> None:
+        """The host masters were rewritten in place (a load): copy every resident home in again before its next
+        update."""
+        self.drain()
+        self._sources.clear()
+
+    def drain(self) -> None:
+        """Wait until every resident unit's masters and states are back in host memory."""
+        for index, event in list(self._last_out.items()):
+            host_wait(event, f"the copy of unit {index}'s optimizer state to the host", self.timeout_s)
 
     def close(self) -> None:
+        self.drain()
         for ptr in self._registered:
             torch.cuda.cudart().cudaHostUnregister(ptr)
         self._registered.clear()
         while not self._staging.empty():
             self._staging.get_nowait()
+        self._homes.clear()

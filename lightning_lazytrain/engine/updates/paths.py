@@ -20,7 +20,7 @@ from lightning_lazytrain.engine.grads.host import GradSink
 from lightning_lazytrain.engine.grads.sharded import ShardedGradSink
 from lightning_lazytrain.engine.updates.cpu import UpdateQueue
 from lightning_lazytrain.engine.updates.device import DeviceUpdatePath
-from lightning_lazytrain.engine.updates.placement import assign_device_updates
+from lightning_lazytrain.engine.updates.placement import DeviceUpdates, assign_device_updates
 from lightning_lazytrain.engine.updates.sharded import ShardedUpdateQueue
 from lightning_lazytrain.engine.weights.shared_store import SharedParamStore
 from lightning_lazytrain.engine.weights.store import HostParamStore
@@ -54,6 +54,11 @@ class UpdatePath:
     def wait(self) -> None:
         if self.updates is not None:
             self.updates.wait_all()
+
+    def host_state_changed(self) -> None:
+        """A checkpoint load rewrote the host masters or replaced the optimizer states."""
+        if isinstance(self.updates, UpdateQueue):
+            self.updates.host_state_changed()
 
     def discard(self) -> None:
         """Forget the gradients of a step that failed half-way (landed or in flight)."""
@@ -92,16 +97,16 @@ def host_path(store: HostParamStore, queues: DeviceQueues, staging_numel: int, t
 
 
 def direct_path(store: HostParamStore, queues: DeviceQueues, optimizer: torch.optim.Optimizer,
-                device_update_share: float | str | None, timeout_s: float) -> UpdatePath:
+                device_updates: DeviceUpdates, timeout_s: float) -> UpdatePath:
     """The engine runs ``optimizer.step_params`` per unit from bf16 host gradients, off the main thread.
 
-    ``device_update_share``: the share of parameters whose update runs on the GPU beside the CPU's
-    (``updates/placement.py``); ``None`` picks it from the measured CPU update and link rates on CUDA and is 0 on the
-    CPU.
+    ``device_updates``: the share of parameters whose update runs on the GPU beside the CPU's
+    (``updates/placement.py``; ``None`` picks it from the measured CPU update and link rates on CUDA and is 0 on the
+    CPU), and whether their masters and states stay on the device between steps.
     """
     units = store.units
-    on_device, reserve = assign_device_updates(units, optimizer, device_update_share, queues.device,
-                                               store.stream_dtype.itemsize)
+    on_device, reserve, resident = assign_device_updates(units, optimizer, device_updates, queues.device,
+                                                         store.stream_dtype.itemsize)
     sink = DirectGradSink(store, queues, store.stream_dtype, on_device)
     if store.master_dtype != store.stream_dtype:
         managed = managed_ids(optimizer)
@@ -110,7 +115,7 @@ def direct_path(store: HostParamStore, queues: DeviceQueues, optimizer: torch.op
                 if id(e.param) in managed:
                     optimizer.register_stream_copy(e.param, unit.stream[e.offset : e.offset + e.numel].view(e.shape))
     device_units = [u for u, flag in zip(units, on_device, strict=True) if flag]
-    device_path = DeviceUpdatePath(optimizer, device_units, queues, timeout_s) if device_units else None
+    device_path = DeviceUpdatePath(optimizer, device_units, queues, timeout_s, resident) if device_units else None
     return UpdatePath(sink, UpdateQueue(optimizer, store.versions, sink, timeout_s, device_path), reserve)
 
 

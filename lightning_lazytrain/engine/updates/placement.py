@@ -15,6 +15,12 @@ device.
 the next forward reaches unit u only after units 0..u-1 have run, so late units may finish later. Each unit's
 forward is taken as its weight copy (stream bytes / H2D rate): a lower estimate, known before any batch is seen.
 Off CUDA the link is the H200's published figures (a test of the control flow, as a fixed share is there).
+
+``states="resident"`` keeps a device unit's masters and states on the GPU between steps (``updates/device.py``):
+its update then moves only the stream copy out before the next forward may read it (masters and states follow
+while the D2H direction is idle), so the split above sees a much cheaper device. ``"auto"`` does so on CUDA for as
+many of the chosen units, in forward order, as fit in ``RESIDENT_SHARE_OF_FREE`` of the free device memory (the
+rest go back to the CPU worker), and never elsewhere; ``"staged"`` never.
 """
 
 from __future__ import annotations
@@ -26,10 +32,25 @@ from typing import Literal
 
 import torch
 
-from lightning_lazytrain.engine.updates.device import IN_FLIGHT, staging_bytes
+from lightning_lazytrain.engine.device import device_free_bytes
+from lightning_lazytrain.engine.updates.device import staging_bytes
 from lightning_lazytrain.engine.weights.layout import ParamUnit
 
 log = logging.getLogger(__name__)
+
+
+RESIDENT_SHARE_OF_FREE = 0.4  # of the device memory free at setup, what resident masters and states may take
+
+DeviceStates = Literal["auto", "resident", "staged"]
+DEVICE_STATES = ("auto", "resident", "staged")
+
+
+@dataclass(frozen=True)
+class DeviceUpdates:
+    """Device-side updates as the strategy chose them: ``share`` (``check_device_updates``) and where states live."""
+
+    share: float | Literal["plan"] | None = 0.0
+    states: DeviceStates = "auto"
 
 
 # device bytes per element of the largest parameter that the torch update's temporaries take at their peak
@@ -44,20 +65,23 @@ class UnitTraffic:
     d2h_bytes: int
     grad_bytes: int
     largest: int = 0  # elements of the unit's largest parameter
+    home_bytes: int = 0  # device bytes its masters and states take when they stay there (``staging_bytes``)
 
 
-def unit_traffic(unit: ParamUnit, optimizer: torch.optim.Optimizer, stream_itemsize: int) -> UnitTraffic:
-    """Bytes the device path moves for ``unit`` and the device bytes its kept gradients hold."""
+def unit_traffic(unit: ParamUnit, optimizer: torch.optim.Optimizer, stream_itemsize: int,
+                 resident: bool = False) -> UnitTraffic:
+    """Bytes the device path moves for ``unit`` before the next forward may stream it (``resident``: only the
+    stream copy out) and the device bytes its kept gradients hold."""
     h2d = d2h = numel = largest = 0
     for e in unit.unique:
         states = sum(t.numel() * t.element_size() for t in optimizer.state_tensors(e.param))
         master = e.numel * e.param.element_size()
         copy = e.numel * 2 if e.param.dtype != torch.bfloat16 else 0
-        h2d += master + states
-        d2h += master + states + copy
+        h2d += 0 if resident else master + states
+        d2h += (copy or master) if resident else master + states + copy
         numel += e.numel
         largest = max(largest, e.numel)
-    return UnitTraffic(numel, h2d, d2h, numel * stream_itemsize, largest)
+    return UnitTraffic(numel, h2d, d2h, numel * stream_itemsize, largest, staging_bytes(unit, optimizer))
 
 
 def split_units(traffic: list[UnitTraffic], cpu_params_per_s: float, h2d_bytes_per_s: float,
@@ -120,20 +144,25 @@ def update_problem(traffic: list[UnitTraffic], cpu_params_per_s: float, h2d_byte
     )
 
 
-def check_share(share: float | str | None) -> float | Literal["plan"] | None:
-    """``share`` if it is a ``device_update_share`` value, else a ValueError naming the ones there are."""
+def check_device_updates(share: float | str | None, states: str = "auto") -> DeviceUpdates:
+    """The strategy's ``device_update_share`` / ``device_update_states``, or a ValueError naming the values there
+    are."""
     if not (share is None or share == "plan" or (isinstance(share, (int, float)) and 0.0 <= share <= 1.0)):
         raise ValueError(f"device_update_share must be in [0, 1], 'plan' (the MILP's split) or None (automatic), "
                          f"got {share!r}")
-    return share
+    if states not in DEVICE_STATES:
+        raise ValueError(f"device_update_states must be one of {DEVICE_STATES}, got {states!r}")
+    return DeviceUpdates(share, states)  # type: ignore[arg-type]
 
 
-def assign_device_updates(units: list[ParamUnit], optimizer: torch.optim.Optimizer,
-                          share: float | Literal["plan"] | None, device: torch.device,
-                          stream_itemsize: int) -> tuple[list[bool], int]:
-    """Which units' update runs on ``device`` (``share`` of the parameters; ``"plan"``: the MILP's split; ``None``:
-    the timing split on CUDA, none elsewhere), and the device bytes that holds beside the plan's activations."""
-    traffic = [unit_traffic(u, optimizer, stream_itemsize) for u in units]
+def assign_device_updates(units: list[ParamUnit], optimizer: torch.optim.Optimizer, choice: DeviceUpdates,
+                          device: torch.device, stream_itemsize: int) -> tuple[list[bool], int, bool]:
+    """Which units' update runs on ``device`` (``choice.share`` of the parameters; ``"plan"``: the MILP's split;
+    ``None``: the timing split on CUDA, none elsewhere), the device bytes that holds beside the plan's
+    activations, and whether their masters and states stay on the device (module docstring)."""
+    share = choice.share
+    resident = choice.states == "resident" or (choice.states == "auto" and device.type == "cuda")
+    traffic = [unit_traffic(u, optimizer, stream_itemsize, resident) for u in units]
     if share == "plan":
         flags = _planned_split(optimizer, traffic, device)
     elif share is not None:
@@ -142,12 +171,28 @@ def assign_device_updates(units: list[ParamUnit], optimizer: torch.optim.Optimiz
         flags = _timed_split(optimizer, traffic, device)
     else:
         flags = [False] * len(units)
+    if resident and choice.states == "auto":
+        flags = homes_that_fit(traffic, flags, RESIDENT_SHARE_OF_FREE * device_free_bytes(device))
     on_device = [t for t, f in zip(traffic, flags, strict=True) if f]
-    # kept gradients until their update ran, the staging buffers DeviceUpdatePath allocates (one per unit in
-    # flight) and the update's temporaries for the largest parameter
-    staging = IN_FLIGHT * max((staging_bytes(u, optimizer) for u, f in zip(units, flags) if f), default=0)
+    # what a plan must leave free: the kept gradients until their update ran and the update's temporaries for the
+    # largest parameter. The homes or staging buffers are allocated with the path, before any plan reads the free
+    # memory, so counting them here would count them twice.
     work = UPDATE_WORK_BYTES_PER_ELEMENT * max((t.largest for t in on_device), default=0)
-    return flags, sum(t.grad_bytes for t in on_device) + staging + work
+    return flags, sum(t.grad_bytes for t in on_device) + work, resident
+
+
+def homes_that_fit(traffic: list[UnitTraffic], flags: list[bool], budget: float) -> list[bool]:
+    """``flags`` with the device units, in forward order, whose resident homes no longer fit ``budget`` (device
+    bytes) handed back to the CPU worker."""
+    out, used = [], 0
+    for t, flag in zip(traffic, flags, strict=True):
+        fits = flag and used + t.home_bytes <= budget
+        used += t.home_bytes if fits else 0
+        out.append(fits)
+    if sum(out) < sum(flags):
+        log.info("lazytrain: %d of %d device-updated units keep their states on the device (%.1f GiB); the rest"
+                 " update on the CPU", sum(out), sum(flags), used / 2**30)
+    return out
 
 
 def _link(device: torch.device) -> tuple[float, float]:

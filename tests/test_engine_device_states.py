@@ -1,0 +1,75 @@
+"""Resident device states (``device_update_states="resident"``): the device share's masters and optimizer states
+stay in the device path's own homes between steps. On the CPU accelerator those homes are separate tensors, so a
+missing copy in or out shows as different numbers from the staged path (the same math, copied every update)."""
+
+import copy
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers import batches, loader, rel_diff, tiny_model
+from test_engine_updates import HybridModule, fit
+
+from lightning_lazytrain import LazyTrainStrategy
+from lightning_lazytrain.engine.updates.placement import UnitTraffic, homes_that_fit
+
+
+class CopiesIn(pl.Callback):
+    """How often the device path copied masters and states in, and over how many units."""
+
+    def on_train_end(self, trainer, module):
+        trainer.strategy.executor.wait_updates()  # the last step's updates run behind the loop
+        path = trainer.strategy.executor.updates.device_path
+        self.copies, self.units, self.resident = path.copies_in, len(path.units), path.resident
+
+
+def states_of(module) -> list[torch.Tensor]:
+    opt = module.trainer.optimizers[0]
+    return [t for p in module.parameters() for t in opt.state_tensors(p)]
+
+
+@pytest.mark.parametrize(("fraction", "precision"), [(1.0, "bf16-mixed"), (0.0, "32-true")])
+def test_resident_states_give_the_staged_numbers(fraction, precision):
+    model, data = tiny_model("qwen2"), batches(3)
+    runs = {}
+    for states in ("staged", "resident"):
+        copies = CopiesIn()
+        strategy = LazyTrainStrategy(device_update_share=0.5, device_update_states=states)
+        module, _ = fit(HybridModule(copy.deepcopy(model), fraction, schedule=True), data, strategy,
+                        precision=precision, gradient_clip_val=0.05, callbacks=[copies])
+        runs[states] = module, copies
+    (staged, staged_copies), (resident, resident_copies) = runs["staged"], runs["resident"]
+    assert rel_diff(staged.model, model) > 1e-3
+    assert rel_diff(resident.model, staged.model) == 0.0
+    # the host states are current too (copied out after every update), equal to the staged path's
+    assert all(torch.equal(a, b) for a, b in zip(states_of(resident), states_of(staged), strict=True))
+    assert resident_copies.resident and not staged_copies.resident
+    assert staged_copies.copies == 3 * staged_copies.units  # every update copies in
+    assert resident_copies.copies == resident_copies.units  # once each: the homes kept them between steps
+
+
+def test_resident_states_resume_exactly(tmp_path):
+    """A checkpoint written mid-run holds the states the device homes reached (copied out), and a resume copies
+    the loaded states in before its first update."""
+    model, data = tiny_model("qwen2"), batches(2)
+
+    def strategy():
+        return LazyTrainStrategy(device_update_share=0.5, device_update_states="resident")
+
+    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    straight, _ = fit(HybridModule(copy.deepcopy(model), 1.0), data, strategy(), max_steps=4, callbacks=[saver],
+                      enable_checkpointing=True)
+    resumed = HybridModule(copy.deepcopy(model), 1.0)
+    trainer = pl.Trainer(accelerator="cpu", strategy=strategy(), max_steps=4, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(resumed, loader(data), ckpt_path=tmp_path / "epoch=0-step=2.ckpt")
+    assert resumed.losses == straight.losses[2:]
+    assert rel_diff(resumed.model, straight.model) == 0.0
+
+
+def test_resident_homes_beyond_the_budget_go_back_to_the_cpu():
+    traffic = [UnitTraffic(numel=10, h2d_bytes=0, d2h_bytes=20, grad_bytes=20, home_bytes=100) for _ in range(5)]
+    flags = [True, False, True, True, True]
+    assert homes_that_fit(traffic, flags, 250) == [True, False, True, False, False]
+    assert homes_that_fit(traffic, flags, 1000) == flags
+    assert homes_that_fit(traffic, flags, 50) == [False] * 5
