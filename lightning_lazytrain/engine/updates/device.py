@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 
 import torch
 
@@ -72,6 +73,7 @@ class DeviceUpdatePath:
         self._last_out: dict[int, object] = {}  # resident: each home's latest copies out
         self._sources: dict[int, tuple[int, ...]] = {}  # resident: the host tensors each home was copied from
         self.copies_in = 0  # units whose masters and states were copied in (resident: once each, and after loads)
+        self._count_lock = threading.Lock()  # two worker threads count
         if resident:
             for unit in units:
                 self._homes[unit.index] = torch.empty(staging_bytes(unit, optimizer), dtype=torch.uint8,
@@ -168,7 +170,8 @@ class DeviceUpdatePath:
             copied_in = q.record(self.copy_in)
         if self.resident:
             self._sources[unit.index] = sources
-        self.copies_in += 1
+        with self._count_lock:
+            self.copies_in += 1
         return copied_in
 
     def _copy_out(self, jobs: list, updated: object) -> tuple[object, object]:
