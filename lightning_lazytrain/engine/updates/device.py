@@ -67,7 +67,7 @@ class DeviceUpdatePath:
         cuda = queues.is_cuda
         self.copy_in, self.compute, self.copy_out = ((torch.cuda.Stream(queues.device) for _ in range(3)) if cuda
                                                      else (None, None, None))
-        self._registered: list[int] = []
+        self._registered: dict[int, torch.Tensor] = {}  # page-locked address -> its tensor, kept alive until unpinned
         self._staging: queue.Queue = queue.Queue()
         self._homes: dict[int, torch.Tensor] = {}
         self._last_out: dict[int, object] = {}  # resident: each home's latest copies out
@@ -82,11 +82,21 @@ class DeviceUpdatePath:
             nbytes = max((staging_bytes(u, optimizer) for u in units), default=0)
             for _ in range(IN_FLIGHT):
                 self._staging.put((torch.empty(nbytes, dtype=torch.uint8, device=queues.device), None))
-        for unit in self.units:
-            self._pin(unit.master)
-            for e in unit.unique:
-                for t in optimizer.state_tensors(e.param):
-                    self._pin(t)
+        self._pin_host_tensors()
+
+    def _host_tensors(self) -> list[torch.Tensor]:
+        return [t for u in self.units for t in (u.master, *(s for e in u.unique
+                                                             for s in self.optimizer.state_tensors(e.param)))]
+
+    def _pin_host_tensors(self) -> None:
+        """Page-lock the masters and states the updates copy, and unpin those a load replaced (each registration
+        holds its tensor, so none is freed while still registered)."""
+        current = {t.data_ptr() for t in self._host_tensors()}
+        for ptr in [p for p in self._registered if p not in current]:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+            del self._registered[ptr]
+        for t in self._host_tensors():
+            self._pin(t)
 
     def _pin(self, t: torch.Tensor) -> None:
         """Page-lock ``t`` in place (cudaHostRegister), so the copies in and out are asynchronous DMA."""
@@ -98,7 +108,7 @@ class DeviceUpdatePath:
             log.warning("lazytrain: could not pin %d bytes for device updates (CUDA error %s); those copies will be"
                         " synchronous", nbytes, int(err))
             return
-        self._registered.append(ptr)
+        self._registered[ptr] = t
 
     def _take_buffer(self, unit: ParamUnit) -> tuple[torch.Tensor, object]:
         if self.resident:
@@ -157,10 +167,6 @@ class DeviceUpdatePath:
         sources = tuple(t.data_ptr() for host, _, _, _ in jobs for name, t in host.items() if name != "copy")
         if self.resident and self._sources.get(unit.index) == sources:
             return None
-        if self.resident:  # new host tensors (a resume replaced the states): page-lock them too
-            for host, _, _, _ in jobs:
-                for t in host.values():
-                    self._pin(t)
         with q.on(self.copy_in):
             q.wait(last_out, self.copy_in)  # the buffer's previous unit has been copied out
             for host, staged, _, _ in jobs:
@@ -192,9 +198,11 @@ class DeviceUpdatePath:
         return (visible if self.resident else done), done
 
     def host_state_changed(self) -> None:
-        """The host masters were rewritten in place (a load): copy every resident home in again before its next
-        update."""
+        """A load rewrote the host masters or replaced the states: page-lock the new tensors and copy every
+        resident home in again before its next update."""
         self.drain()
+        if self.queues.is_cuda:
+            self._pin_host_tensors()
         self._sources.clear()
 
     def drain(self) -> None:
