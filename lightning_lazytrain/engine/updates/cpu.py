@@ -76,6 +76,10 @@ class UnitUpdateQueue:
     def wait_all(self) -> None:
         self.versions.wait_all(self.timeout_s)
 
+    def host_state_changed(self) -> None:
+        """Masters or optimizer states were loaded into the host tensors: copies held elsewhere must be refreshed
+        (none here: the CPU worker updates the host tensors themselves)."""
+
     def close(self) -> None:
         self.wait_all()
         self._pool.shutdown(wait=True)
@@ -110,7 +114,6 @@ class UpdateQueue(UnitUpdateQueue):
             self.device_path.drain()  # resident units' masters and states are copied out after their jobs end
 
     def host_state_changed(self) -> None:
-        """Masters or optimizer states were loaded into the host tensors: device copies must be refreshed."""
         self.wait_all()
         if self.device_path is not None:
             self.device_path.host_state_changed()

@@ -91,11 +91,12 @@ class DeviceUpdatePath:
     def _pin_host_tensors(self) -> None:
         """Page-lock the masters and states the updates copy, and unpin those a load replaced (each registration
         holds its tensor, so none is freed while still registered)."""
-        current = {t.data_ptr() for t in self._host_tensors()}
+        tensors = self._host_tensors()
+        current = {t.data_ptr() for t in tensors}
         for ptr in [p for p in self._registered if p not in current]:
             torch.cuda.cudart().cudaHostUnregister(ptr)
             del self._registered[ptr]
-        for t in self._host_tensors():
+        for t in tensors:
             self._pin(t)
 
     def _pin(self, t: torch.Tensor) -> None:

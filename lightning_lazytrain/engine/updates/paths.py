@@ -57,7 +57,7 @@ class UpdatePath:
 
     def host_state_changed(self) -> None:
         """A checkpoint load rewrote the host masters or replaced the optimizer states."""
-        if isinstance(self.updates, UpdateQueue):
+        if self.updates is not None:
             self.updates.host_state_changed()
 
     def discard(self) -> None:
