@@ -25,12 +25,10 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 CASES = {"7b-b64-80g": ("qwen2.5-7b", 64, 80.0, 150), "3b-b8": ("qwen2.5-3b", 8, 80.0, 90)}
 
 
 def child(spec: dict, out: str) -> None:
-    sys.path.insert(0, HERE)
     from run import one_run
 
     import lightning_lazytrain
@@ -62,7 +60,7 @@ def one(checkout: str, system: str, case: str, steps: int, warmup: int, tiny: bo
         "warmup": warmup,
     }
     checkout = os.path.abspath(checkout)
-    from common import allocator_env  # main put this folder on the path
+    from common import allocator_env  # a script's own folder is on sys.path
 
     env = {**os.environ, **allocator_env(system),
            "PYTHONPATH": os.pathsep.join([checkout, os.environ.get("PYTHONPATH", "")]).rstrip(":")}
@@ -119,7 +117,6 @@ def main() -> None:
         return
     if not args.side or len(args.side) < 2:
         parser.error("name at least two --side NAME=CHECKOUT[:SYSTEM]")
-    sys.path.insert(0, HERE)
     from common import commit, machine
 
     names = [name for name, _, _ in args.side]

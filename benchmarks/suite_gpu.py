@@ -75,7 +75,6 @@ GROUPS = sorted({r.group for r in ROWS})
 
 def child(spec: dict, out: str) -> None:
     """Runs one row in this process and writes its result to ``out``."""
-    sys.path.insert(0, HERE)
     from run import FIT_FAILURES, one_run
 
     tried = []
@@ -115,7 +114,6 @@ def run_row(row: Row, tiny: bool) -> dict:
         )
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "row.json")
-        sys.path.insert(0, HERE)
         from common import allocator_env
 
         spec["env"] = {**allocator_env(row.system), **row.env}
@@ -192,7 +190,6 @@ def targets(rows: dict) -> dict:
 
 
 def save(path: str, rows: dict) -> None:
-    sys.path.insert(0, HERE)
     from common import commit, machine
 
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
