@@ -112,6 +112,8 @@ class CheckpointingStrategy(ProcessGroupStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         states = checkpoint["optimizer_states"]
+        if self.executor is not None:
+            self.executor.wait_updates()  # host masters and states current before the load replaces any of them
         if states and self.executor is not None and self.executor.load_optimizer_state(states[0]):
             return
         for optimizer, state in zip(self.optimizers, states):

@@ -111,10 +111,10 @@ class UpdateQueue(UnitUpdateQueue):
     def wait_all(self) -> None:
         super().wait_all()
         if self.device_path is not None:
-            self.device_path.drain()  # resident units' masters and states are copied out after their jobs end
+            self.device_path.drain()  # resident units' masters and states are written back once their jobs end
 
     def host_state_changed(self) -> None:
-        self.wait_all()
+        super().wait_all()  # not drained: the load's host tensors win over what the device holds
         if self.device_path is not None:
             self.device_path.host_state_changed()
 
