@@ -15,7 +15,8 @@ from common import BenchModule, host_model, qwen_config, random_model
 from lightning_lazytrain import LazyTrainStrategy
 
 SYSTEMS = ("gpu-resident", "gpu-resident-ckpt", "lazytrain", "lazytrain-one-rank-nccl", "lazytrain-gpu-updates",
-           "lazytrain-gpu-updates-plan", "lazytrain-gpu-updates-plan-staged", "lazytrain-interval4",
+           "lazytrain-gpu-updates-plan", "lazytrain-gpu-updates-plan-staged", "lazytrain-gpu-updates-all",
+           "lazytrain-interval4",
            "lazytrain-interval4-overlap",
            "fsdp-cpu-offload", "fsdp-cpu-offload-fused", "deepspeed-z3-offload", "deepspeed-z3-offload-fair")
 
@@ -69,6 +70,10 @@ def build(system: str, shape: str, batch: int, host_cache: dict, fp32_adamw: boo
             strategy = LazyTrainStrategy(schedule="milp", device_update_share="plan", device_update_states="staged")
             return SystemRun(BenchModule(model, hybrid), strategy, "bf16-mixed",
                              f"{label}, overlapped, the MILP's share on the GPU, states copied in and out", clip)
+        if system == "lazytrain-gpu-updates-all":
+            return SystemRun(BenchModule(model, hybrid), LazyTrainStrategy(schedule="milp", device_update_share=1.0),
+                             "bf16-mixed", f"{label}, overlapped, every update on the GPU that fits, states kept there",
+                             clip)
         if system == "lazytrain-interval4-overlap":
             return SystemRun(BenchModule(model, hybrid), LazyTrainStrategy(schedule="interval:4"), "bf16-mixed",
                              f"{label}, overlapped", clip)
