@@ -59,7 +59,8 @@ def _mix32(x):
 def _store_weights(p_ptr, copy_ptr, offs, mask, p_new, sr_key, P_BF16: tl.constexpr, HAS_COPY: tl.constexpr):
     """The new master (bf16: stochastically rounded with the reference's hash) and its bf16 stream copy."""
     if P_BF16:
-        noise = _mix32(((offs * 0x9E3779B9) & 0xFFFFFFFF) ^ sr_key) & 0xFFFF
+        key = (sr_key.to(tl.int64) + 0x80000000) & 0xFFFFFFFF
+        noise = _mix32(((offs * 0x9E3779B9) & 0xFFFFFFFF) ^ key) & 0xFFFF
         bits = p_new.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
         rounded = (((bits + noise) >> 16) & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
         finite = (p_new == p_new) & (tl.abs(p_new) != float("inf"))
@@ -73,7 +74,7 @@ def _store_weights(p_ptr, copy_ptr, offs, mask, p_new, sr_key, P_BF16: tl.conste
             tl.store(copy_ptr + offs, p_new.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sr_key"])
 def _adamw_8bit(p_ptr, g_ptr, copy_ptr, mc_ptr, vc_ptr, ma_ptr, va_ptr, cm_ptr, cv_ptr, tm_ptr, tv_ptr, n,
                 decay, w1, beta2, w2, neg_step, bc2_sqrt, eps, grad_scale, v_floor, sr_key,
                 BLOCK: tl.constexpr, P_BF16: tl.constexpr, HAS_COPY: tl.constexpr, FLOOR: tl.constexpr):
@@ -107,7 +108,7 @@ def _adamw_8bit(p_ptr, g_ptr, copy_ptr, mc_ptr, vc_ptr, ma_ptr, va_ptr, cm_ptr, 
     tl.store(va_ptr + pid, av)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sr_key"])
 def _adamw_fp32(p_ptr, g_ptr, copy_ptr, m_ptr, v_ptr, n, decay, w1, beta2, w2, neg_step, bc2_sqrt, eps, grad_scale,
                 sr_key, BLOCK: tl.constexpr, P_BF16: tl.constexpr, HAS_COPY: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -139,7 +140,9 @@ def fused_step(*, param: torch.Tensor, grad: torch.Tensor, state: dict, copy: to
                   eps=eps, grad_scale=grad_scale)
     flags = dict(P_BF16=param.dtype == torch.bfloat16, HAS_COPY=copy is not None)
     out_copy = copy if copy is not None else param
-    key = sr_key & 0xFFFFFFFF
+    # a key changes every step: passed as one int32 type (shifted into its range) and never specialized on, else
+    # each new key could compile a new variant of the kernel in the middle of training
+    key = (sr_key & 0xFFFFFFFF) - 0x80000000
     if "exp_avg_codes" in state:
         cm, tm = device_tables(True, param.device)
         cv, tv = device_tables(False, param.device)
