@@ -34,7 +34,6 @@ def child(spec: dict, out: str) -> None:
     import lightning_lazytrain
 
     row = one_run(spec["system"], spec["shape"], spec["batch"], spec["cap"], spec["steps"], spec["warmup"], {})
-    row.pop("engine", None)
     row["library"] = os.path.dirname(os.path.abspath(lightning_lazytrain.__file__))
     with open(out + ".tmp", "w") as f:
         json.dump(row, f, default=str)

@@ -67,6 +67,14 @@ def _failed(row: dict, exc: Exception) -> dict:
     return row
 
 
+def allocator_facts() -> dict:
+    """The caching allocator's peak reservation and how often it had to free its cache and retry (each retry
+    synchronizes the device, which undoes any overlap)."""
+    stats = torch.cuda.memory_stats()
+    return {"gpu_reserved_peak_gib": stats.get("reserved_bytes.all.peak", 0) / 2**30,
+            "alloc_retries": stats.get("num_alloc_retries", 0)}
+
+
 def one_run(system: str, shape: str, batch: int, cap: float | None, steps: int, warmup: int,
             host_cache: dict) -> dict:
     row = {"system": system, "model": shape, "batch": batch, "seq": SEQ, "gpu_cap_gib": cap, "commit": commit(),
@@ -103,6 +111,7 @@ def one_run(system: str, shape: str, batch: int, cap: float | None, steps: int, 
         "tokens_per_s": tokens / s["step_s"], "model_tflops": fpt * tokens / s["step_s"] / 1e12,
         "executed_tflops": fpt * tokens * ratio / s["step_s"] / 1e12, "work_ratio": ratio,
         "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if GPU else 0.0,
+        **(allocator_facts() if GPU else {}),
         "host_peak_gib": sampler.peak_gib, "host_rss_at_batch_end_gib": s["host_rss_max_gib"],
         **trainer_facts(run.module),
         "stall_fraction": stall / s["step_s"], "predicted_exposed_s": engine.get("predicted_exposed_s"),

@@ -1,4 +1,4 @@
-"""The Triton AdamW kernel of the device path against the torch reference it replaces, on a CUDA device."""
+"""The Triton AdamW kernel of the device path against the CPU kernel, on a CUDA device."""
 
 import pytest
 import torch
@@ -34,35 +34,29 @@ def _on(device: str, p, g, state):
 @pytest.mark.parametrize("eight_bit", [True, False])
 @pytest.mark.parametrize("master", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [4096 * 3, 4096 * 5 + 1234])  # whole blocks, and a ragged last block
-def test_fused_update_matches_the_reference(eight_bit, master, n):
+def test_fused_update_gives_the_cpu_kernels_numbers(eight_bit, master, n):
+    """Bit for bit: the device share of the updates must not drift from the CPU's (Adam's first steps amplify an
+    ulp into a different update, so "close" is not enough)."""
     from lightning_lazytrain.engine.updates.device import update_kernel
+    from lightning_lazytrain.optim import kernel
     from lightning_lazytrain.optim.triton_adamw import fused_step
 
-    p0, g0, s0, scalars = _case(n, eight_bit, master, 4096)
-    ref_p, g, ref_s = _on("cuda", p0, g0, s0)
-    new_p, _, new_s = _on("cuda", p0, g0, s0)
+    p, g, state, scalars = _case(n, eight_bit, master, 4096)
+    new_p, new_g, new_s = _on("cuda", p, g, state)
     assert update_kernel(new_p, new_s, scalars["block"]) is fused_step
-    with_copy = master == torch.float32
-    ref_c = torch.empty(n, dtype=torch.bfloat16, device="cuda") if with_copy else None
-    new_c = torch.empty(n, dtype=torch.bfloat16, device="cuda") if with_copy else None
-    reference_step(param=ref_p, grad=g, state=ref_s, copy=ref_c, **scalars)
-    fused_step(param=new_p, grad=g, state=new_s, copy=new_c, **scalars)
-    moved = (ref_p.float() - p0.cuda().float()).abs()
-    assert moved.max() > 0
-    if master == torch.float32:
-        # an fp32 update differs by at most a few ulps of the weight (a fused multiply-add), far below the step
-        assert ((new_p - ref_p).abs() <= 4 * torch.finfo(torch.float32).eps * ref_p.abs()).all()
-        assert torch.equal(new_c, new_p.to(torch.bfloat16)), "the stream copy is the master rounded to nearest"
-    else:
-        # stochastic rounding: the same hash gives the same bf16 except where the fp32 value sits on a boundary
-        assert (new_p != ref_p).float().mean() <= 1e-3
-    for name, ref in ref_s.items():
-        new = new_s[name]
-        if ref.dtype == torch.uint8:
-            diff = (new.int() - ref.int()).abs()
-            assert diff.max() <= 1 and (diff > 0).float().mean() <= 1e-3, name
-        else:
-            assert torch.allclose(new, ref, rtol=1e-5, atol=1e-12), name
+    copy = torch.empty(n, dtype=torch.bfloat16) if master == torch.float32 else None
+    new_c = torch.empty(n, dtype=torch.bfloat16, device="cuda") if copy is not None else None
+    before = p.clone()
+    kernel.run_step(param=p, grad=g, m=state.get("exp_avg"), v=state.get("exp_avg_sq"), mq=state.get("exp_avg_codes"),
+                    vq=state.get("exp_avg_sq_codes"), mabs=state.get("exp_avg_absmax"),
+                    vabs=state.get("exp_avg_sq_absmax"), nthreads=2, copy=copy, **scalars)
+    fused_step(param=new_p, grad=new_g, state=new_s, copy=new_c, **scalars)
+    assert not torch.equal(p, before)
+    assert torch.equal(new_p.cpu(), p), f"{(new_p.cpu() != p).sum().item()} of {n} masters differ"
+    if copy is not None:
+        assert torch.equal(new_c.cpu(), copy)
+    for name, t in state.items():
+        assert torch.equal(new_s[name].cpu(), t), f"{name}: {(new_s[name].cpu() != t).sum().item()} differ"
 
 
 def test_fused_update_falls_back_where_it_cannot_run():
