@@ -41,7 +41,7 @@ def test_resident_states_give_the_staged_numbers(fraction, precision):
     (staged, staged_copies), (resident, resident_copies) = runs["staged"], runs["resident"]
     assert rel_diff(staged.model, model) > 1e-3
     assert rel_diff(resident.model, staged.model) == 0.0
-    # the host states are current too (copied out after every update), equal to the staged path's
+    # the host states are current too (written back at teardown), equal to the staged path's
     assert all(torch.equal(a, b) for a, b in zip(states_of(resident), states_of(staged), strict=True))
     assert resident_copies.resident and not staged_copies.resident
     assert staged_copies.copies == 3 * staged_copies.units  # every update copies in
@@ -65,6 +65,41 @@ def test_resident_states_resume_exactly(tmp_path):
     trainer.fit(resumed, loader(data), ckpt_path=tmp_path / "epoch=0-step=2.ckpt")
     assert resumed.losses == straight.losses[2:]
     assert rel_diff(resumed.model, straight.model) == 0.0
+
+
+class StateDictsAt(pl.Callback):
+    """The module's and the optimizer's state dicts, cloned, right after batch ``at``'s step, read from a callback
+    as a user's would."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if batch_idx == self.at:
+            self.model = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+            self.optim = copy.deepcopy(trainer.optimizers[0].state_dict()["state"])
+
+
+@pytest.mark.parametrize(("share", "states"), [(0.0, "auto"), (0.5, "staged"), (0.5, "resident")])
+def test_state_dicts_read_mid_run_hold_the_step_just_taken(share, states):
+    """Updates run behind the loop, and resident masters and states stay on the device: a state dict read in a
+    callback waits for them, so it equals what a run that stops after that step holds."""
+    model, data = tiny_model("qwen2"), batches(3)
+
+    def run(**kw):
+        strategy = LazyTrainStrategy(device_update_share=share, device_update_states=states)
+        return fit(HybridModule(copy.deepcopy(model), 1.0), data, strategy, precision="bf16-mixed",
+                   gradient_clip_val=0.05, **kw)
+
+    seen = StateDictsAt(1)
+    run(callbacks=[seen])
+    stopped, trainer = run(max_steps=2)
+    final = stopped.model.state_dict()
+    assert rel_diff(stopped.model, model) > 1e-3
+    assert all(torch.equal(seen.model[k], v) for k, v in final.items())
+    states_now = trainer.optimizers[0].state_dict()["state"]
+    assert all(torch.equal(seen.optim[i][k], v) for i, st in states_now.items() for k, v in st.items()
+               if isinstance(v, torch.Tensor))
 
 
 def test_resident_homes_beyond_the_budget_go_back_to_the_cpu():

@@ -48,6 +48,8 @@ class HookedRunner(Protocol):
 
     def head_weight(self) -> torch.Tensor: ...
 
+    def wait_updates(self) -> None: ...
+
 
 class ModelHooks:
     """Installs the overrides and the device copies of the model's buffers; ``remove()`` gives the model back."""
@@ -71,6 +73,9 @@ class ModelHooks:
             self._patch(module, types.MethodType(_bind_resident(runner, fn), module))
         self.original_forward = types.MethodType(type(model).forward, model)
         self._patch(model, types.MethodType(_causal_lm_forward(runner, self.original_forward), model))
+        # a state dict taken during the run (a user's callback) holds the weights after the step just taken: the
+        # queued updates finish first, and device-resident masters are written back
+        self._state_hook = model.register_state_dict_pre_hook(lambda *_: runner.wait_updates())
 
     def _patch(self, module: nn.Module, forward: Any) -> None:
         self._patched.append((module, "forward" in module.__dict__))
@@ -95,6 +100,7 @@ class ModelHooks:
         for module, name, buf in self._saved_buffers:
             module._buffers[name] = buf
         self._saved_buffers.clear()
+        self._state_hook.remove()
 
 
 def _recorder(runner: HookedRunner, j: int):

@@ -36,6 +36,8 @@ class UnitUpdateQueue:
         self._busy: list[tuple[int, float, float]] = []  # (unit index, start, end) of each job since the last take
         self._busy_lock = threading.Lock()  # workers add while the main thread takes and resets
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-update")
+        # the optimizer's state dict, read during the run, holds the states after the step just taken
+        self._state_hook = optimizer.register_state_dict_pre_hook(lambda _: self.wait_all())
 
     def _submit(self, coef: float) -> None:
         """Queue ``_run(unit, coef, lr_of)`` for every unit with fresh gradients, in forward order, each after the
@@ -82,6 +84,7 @@ class UnitUpdateQueue:
 
     def close(self) -> None:
         self.wait_all()
+        self._state_hook.remove()
         self._pool.shutdown(wait=True)
         self._close_paths()
 
