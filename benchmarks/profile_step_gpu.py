@@ -8,24 +8,57 @@ between steps or in a thread the step timer does not see. A trace from one batch
     python benchmarks/profile_step_gpu.py --system lazytrain --out $OUT/profile_cpu
 
 writes ``<out>.trace.json.gz`` (open in Perfetto) and ``<out>.json``: the step's wall time, the busiest operators by
-self CPU and self CUDA time, and each thread's summed top-level CPU time.
+self CPU and self CUDA time, each thread's summed top-level CPU time, and where each thread's Python was, sampled
+every millisecond (the profiler shows operators, not the Python between them, nor what a thread waited in).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import gzip
 import json
 import os
 import shutil
 import sys
+import threading
 import time
+import traceback
 
 import torch
 from common import GPU, RandomTokens, StepTimer, commit, machine, run_fit
 from systems import SYSTEMS, build
 
 SEQ = 1024
+
+
+class StackSampler(threading.Thread):
+    """Every ``period_s``, the innermost frames of every other thread's Python stack; ``summary()`` counts them."""
+
+    def __init__(self, period_s: float = 1e-3, depth: int = 4) -> None:
+        super().__init__(daemon=True)
+        self.period_s, self.depth = period_s, depth
+        self.samples: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        names = {}
+        while not self._stop_event.wait(self.period_s):
+            for ident, frame in sys._current_frames().items():
+                if ident == self.ident:
+                    continue
+                if ident not in names:
+                    names = {t.ident: t.name for t in threading.enumerate()}
+                stack = traceback.extract_stack(frame)[-self.depth:]
+                key = " < ".join(f"{fr.name} ({os.path.basename(fr.filename)}:{fr.lineno})" for fr in reversed(stack))
+                self.samples[names.get(ident, str(ident))][key] += 1
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join()
+
+    def summary(self, top: int = 12) -> dict:
+        return {thread: {"samples": sum(c.values()), "top": c.most_common(top)} for thread, c in self.samples.items()}
 
 
 def _sync() -> None:
@@ -39,6 +72,7 @@ class ProfiledStep(StepTimer):
     def __init__(self, at: int) -> None:
         super().__init__()
         self.at, self.prof, self.wall_s = at, None, None
+        self.sampler = StackSampler()
         self._t0 = 0.0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -46,6 +80,7 @@ class ProfiledStep(StepTimer):
             _sync()
             self.wall_s = time.perf_counter() - self._t0
             self.prof.stop()
+            self.sampler.stop()
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         if batch_idx == self.at:
             acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if GPU else [])
@@ -53,6 +88,7 @@ class ProfiledStep(StepTimer):
             _sync()
             self._t0 = time.perf_counter()
             self.prof.start()
+            self.sampler.start()
 
 
 def _top(prof, key: str, n: int = 30) -> list[dict]:
@@ -92,10 +128,15 @@ def main() -> None:
     summary = {"command": " ".join(["python", *sys.argv]), "commit": commit(), "machine": machine(),
                "system": args.system, "shape": args.shape, "batch": args.batch, "profiled_step_wall_s": timer.wall_s,
                "top_self_cpu": _top(prof, "self_cpu_time_total"),
-               "top_self_device": _top(prof, "self_device_time_total"), "threads": _threads(prof)}
+               "top_self_device": _top(prof, "self_device_time_total"), "threads": _threads(prof),
+               "python_stacks": timer.sampler.summary()}
     with open(args.out + ".json", "w") as f:
         json.dump(summary, f, indent=1, default=str)
     print(json.dumps({k: summary[k] for k in ("system", "profiled_step_wall_s", "threads")}, default=str))
+    for thread, seen in summary["python_stacks"].items():
+        print(f"{thread}: {seen['samples']} samples")
+        for stack, count in seen["top"][:6]:
+            print(f"  {count:5d}  {stack[:220]}")
 
 
 if __name__ == "__main__":
