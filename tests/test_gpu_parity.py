@@ -33,7 +33,7 @@ def test_gpu_bf16_mixed_close_to_plain():
 @pytest.mark.parametrize("share", [0.5, 1.0])
 def test_gpu_device_updates_match_cpu_updates(fraction, share):
     """Updates on the GPU (gradients kept there; masters and states resident there, the default on CUDA, and
-    copied out on their own stream) give the CPU kernel's numbers."""
+    written back at teardown) give the CPU kernel's numbers."""
     import copy
 
     import lightning.pytorch as pl
@@ -59,8 +59,9 @@ def test_gpu_device_updates_match_cpu_updates(fraction, share):
 @pytest.mark.parametrize("share", [0.5, "plan"])
 def test_gpu_device_updates_write_the_streamed_copy_under_bf16_mixed(share, states):
     """bf16-mixed, 8-bit states: the device path (staged: two units in flight, copies in and out on their own
-    streams; resident: masters and states kept on the device, copied out behind the stream copy) against every
-    update on the CPU kernel; a stale bf16 copy or a unit read before its copy out ended differs by ~1e-3.
+    streams; resident: masters and states kept on the device, written back when drained) against every update on
+    the CPU kernel, which the Triton kernel matches bit for bit; a stale bf16 copy or a unit read before its copy
+    out ended differs by ~1e-3.
     ``"plan"``: the MILP's split from the measured link and CPU rate (it may pick no unit for so small a model; the
     fixed share must run some)."""
     import copy

@@ -17,8 +17,8 @@ forward is taken as its weight copy (stream bytes / H2D rate): a lower estimate,
 Off CUDA the link is the H200's published figures (a test of the control flow, as a fixed share is there).
 
 ``states="resident"`` keeps a device unit's masters and states on the GPU between steps (``updates/device.py``):
-its update then moves only the stream copy out before the next forward may read it (masters and states follow
-while the D2H direction is idle), so the split above sees a much cheaper device. ``"auto"`` does so on CUDA for as
+its update then moves only the stream copy out (masters and states are written back when the queue is drained),
+so the split above sees a much cheaper device. ``"auto"`` does so on CUDA for as
 many of the chosen units, in forward order, as fit in ``RESIDENT_SHARE_OF_FREE`` of the free device memory (the
 rest go back to the CPU worker), and never elsewhere; ``"staged"`` never.
 """
