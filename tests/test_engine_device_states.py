@@ -49,8 +49,8 @@ def test_resident_states_give_the_staged_numbers(fraction, precision):
 
 
 def test_resident_states_resume_exactly(tmp_path):
-    """A checkpoint written mid-run holds the states the device homes reached (copied out), and a resume copies
-    the loaded states in before its first update."""
+    """A checkpoint written mid-run holds the states the device homes reached (written back before the save), and
+    a resume copies the loaded states in before its first update."""
     model, data = tiny_model("qwen2"), batches(2)
 
     def strategy():

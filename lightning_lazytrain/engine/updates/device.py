@@ -227,8 +227,7 @@ class DeviceUpdatePath:
         update."""
         self._wait_copies_out()
         self._dirty.clear()
-        if self.queues.is_cuda:
-            self._pin_host_tensors()
+        self._pin_host_tensors()
         self._sources.clear()
 
     def drain(self) -> None:

@@ -18,9 +18,9 @@ Off CUDA the link is the H200's published figures (a test of the control flow, a
 
 ``states="resident"`` keeps a device unit's masters and states on the GPU between steps (``updates/device.py``):
 its update then moves only the stream copy out (masters and states are written back when the queue is drained),
-so the split above sees a much cheaper device. ``"auto"`` does so on CUDA for as
-many of the chosen units, in forward order, as fit in ``RESIDENT_SHARE_OF_FREE`` of the free device memory (the
-rest go back to the CPU worker), and never elsewhere; ``"staged"`` never.
+so the split above sees a much cheaper device. ``"auto"`` does so on CUDA for as many of the chosen units, in
+forward order, as fit in ``RESIDENT_SHARE_OF_FREE`` of the free device memory (the rest go back to the CPU worker),
+and never elsewhere; ``"staged"`` never.
 """
 
 from __future__ import annotations
