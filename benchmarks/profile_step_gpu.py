@@ -35,7 +35,7 @@ SEQ = 1024
 class StackSampler(threading.Thread):
     """Every ``period_s``, the innermost frames of every other thread's Python stack; ``summary()`` counts them."""
 
-    def __init__(self, period_s: float = 1e-3, depth: int = 4) -> None:
+    def __init__(self, period_s: float = 1e-3, depth: int = 7) -> None:
         super().__init__(daemon=True)
         self.period_s, self.depth = period_s, depth
         self.samples: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
@@ -57,7 +57,7 @@ class StackSampler(threading.Thread):
         self._stop_event.set()
         self.join()
 
-    def summary(self, top: int = 12) -> dict:
+    def summary(self, top: int = 20) -> dict:
         return {thread: {"samples": sum(c.values()), "top": c.most_common(top)} for thread, c in self.samples.items()}
 
 
@@ -135,8 +135,8 @@ def main() -> None:
     print(json.dumps({k: summary[k] for k in ("system", "profiled_step_wall_s", "threads")}, default=str))
     for thread, seen in summary["python_stacks"].items():
         print(f"{thread}: {seen['samples']} samples")
-        for stack, count in seen["top"][:6]:
-            print(f"  {count:5d}  {stack[:220]}")
+        for stack, count in seen["top"][:10]:
+            print(f"  {count:5d}  {stack[:400]}")
 
 
 if __name__ == "__main__":
