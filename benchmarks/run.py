@@ -118,7 +118,7 @@ def one_run(system: str, shape: str, batch: int, cap: float | None, steps: int, 
         "breakdown": {"compute_s": max(0.0, s["step_s"] - stall - waits - s["optimizer_s"]),
                       "h2d_d2h_wait_s": stall, "update_wait_s": waits, "optimizer_after_backward_s": s["optimizer_s"],
                       "cpu_update_busy_s": engine.get("update_busy_s", 0.0),
-                      "gpu_update_busy_s": engine.get("device_update_busy_s", 0.0)},
+                      "gpu_update_launch_s": engine.get("device_update_launch_s", 0.0)},
         "steps_timed": s["steps_timed"], "engine": engine,
         "plan": schedule.counts() if schedule is not None else None,
     })

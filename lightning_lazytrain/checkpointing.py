@@ -103,6 +103,8 @@ class CheckpointingStrategy(ProcessGroupStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self.executor is not None:
+            self.executor.wait_updates()  # a load during the run must not race the updates still writing masters
         if self.executor is not None and self.executor.load_model_state(checkpoint["state_dict"]):
             return
         super().load_model_state_dict(checkpoint, strict=strict)

@@ -245,12 +245,12 @@ class StreamingExecutor:
         copies, h2d, d2h = (a - b for a, b in zip(now, before))
         homes = self.homes.take_stats() if self.homes is not None else {}
         waited = self.store.versions.take_wait_seconds()
-        busy, device_busy = self.updates.take_busy_seconds() if self.updates is not None else (0.0, 0.0)
+        busy, device_launch = self.updates.take_busy_seconds() if self.updates is not None else (0.0, 0.0)
         gpu = self.queues.take_busy_idle_seconds()  # CUDA events; absent on the CPU
         gpu_stats = {} if gpu is None else {"gpu_layer_busy_s": gpu[0], "gpu_idle_s": gpu[1]}
         return {**gpu_stats, "layer_h2d_copies": float(copies), "h2d_gib": h2d / 2**30, "d2h_gib": d2h / 2**30,
                 "stall_s": self.queues.take_stall_seconds(), "update_wait_s": waited,
-                "update_busy_s": busy, "device_update_busy_s": device_busy,
+                "update_busy_s": busy, "device_update_launch_s": device_launch,
                 **{f"act_{k}": float(v) for k, v in homes.items() if k != "host_buffers"}}
 
     def head_weight(self) -> torch.Tensor:

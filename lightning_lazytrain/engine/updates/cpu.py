@@ -4,20 +4,21 @@ Units are queued in the order the next forward needs them (embedding/head first,
 forward of layer ``i`` only waits for update ``i`` while later updates still run: the CPU update hides behind the
 GPU's next forward. Each job first waits for its unit's gradient copy, then runs the fused update, which also writes
 the bf16 streamed copy; ``WeightVersions.written`` then tells the weight slots their copy is stale, and every reader
-of the unit waits for the job first (``WeightVersions.hold``).
+of the unit waits for the job first (``WeightVersions.hold``). Units updated on the GPU (``device.py``) are queued
+on its streams by the main thread instead, in the same order, and held until their copy out has ended.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from lightning_lazytrain.engine.device import host_wait
 from lightning_lazytrain.engine.grads.handoff import HandoffSink
-from lightning_lazytrain.engine.updates.device import IN_FLIGHT, DeviceUpdatePath
+from lightning_lazytrain.engine.updates.device import CopiedOut, DeviceUpdatePath
 from lightning_lazytrain.engine.weights.layout import ParamUnit
 from lightning_lazytrain.engine.weights.versions import WeightVersions
 from lightning_lazytrain.optim import managed_ids
@@ -48,10 +49,11 @@ class UnitUpdateQueue:
             if not grads.fresh:
                 continue
             grads.fresh = False
-            self.versions.hold(unit, self._pool_for(unit).submit(self._timed, unit, coef, lr_of))
+            self.versions.hold(unit, self._start(unit, coef, lr_of))
 
-    def _pool_for(self, unit: ParamUnit) -> ThreadPoolExecutor:
-        return self._pool
+    def _start(self, unit: ParamUnit, coef: float, lr_of: dict[int, float]) -> Future | CopiedOut:
+        """Begin ``unit``'s update: here, queue its job on the worker."""
+        return self._pool.submit(self._timed, unit, coef, lr_of)
 
     def _timed(self, unit: ParamUnit, coef: float, lr_of: dict[int, float]) -> None:
         # the worker's own time (gradient wait included): with the versions' wait it says how much was hidden
@@ -59,12 +61,15 @@ class UnitUpdateQueue:
         try:
             self._run(unit, coef, lr_of)
         finally:
-            with self._busy_lock:
-                self._busy.append((unit.index, start, time.perf_counter()))
+            self._add_busy(unit, start)
+
+    def _add_busy(self, unit: ParamUnit, start: float) -> None:
+        with self._busy_lock:
+            self._busy.append((unit.index, start, time.perf_counter()))
 
     def take_busy_seconds(self) -> tuple[float, float]:
-        """(CPU worker, device worker) seconds spent on updates since the last call: the time at least one job of
-        that worker ran (the device worker runs two units' jobs at once)."""
+        """(CPU worker, device share) host seconds spent on updates since the last call: the time at least one job
+        of the CPU worker ran, and the main thread's time queuing the device share's updates."""
         with self._busy_lock:
             busy, self._busy = self._busy, []
         on_device = [self.sink.grads[i].on_device for i, _, _ in busy]
@@ -94,7 +99,7 @@ class UnitUpdateQueue:
 
 class UpdateQueue(UnitUpdateQueue):
     """Units updated by ``optimizer.step_params`` on the CPU worker; with a ``DeviceUpdatePath``, the units it
-    holds are updated on the GPU by a second worker at the same time."""
+    holds are queued on the GPU's streams by the main thread as the step is scheduled, and run beside the CPU's."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, versions: WeightVersions, sink: HandoffSink,
                  timeout_s: float, device_path: DeviceUpdatePath | None = None) -> None:
@@ -104,9 +109,6 @@ class UpdateQueue(UnitUpdateQueue):
             u.index: [(i, e.param) for i, e in enumerate(u.unique) if id(e.param) in managed] for u in self.units
         }
         self.device_path = device_path
-        self._device_pool = None
-        if device_path is not None and device_path.units:
-            self._device_pool = ThreadPoolExecutor(max_workers=IN_FLIGHT, thread_name_prefix="lazytrain-device-update")
 
     def schedule(self, clip_coef: float) -> None:
         self._submit(clip_coef)
@@ -121,26 +123,32 @@ class UpdateQueue(UnitUpdateQueue):
         if self.device_path is not None:
             self.device_path.host_state_changed()
 
-    def _pool_for(self, unit: ParamUnit) -> ThreadPoolExecutor:
-        return self._device_pool if self.sink.of(unit).on_device and self._device_pool is not None else self._pool
+    def _chosen(self, unit: ParamUnit) -> list[tuple[int, torch.Tensor]]:
+        return [(i, p) for i, p in self._params[unit.index] if p.requires_grad]
+
+    def _start(self, unit: ParamUnit, coef: float, lr_of: dict[int, float]) -> Future | CopiedOut:
+        handoff = self.sink.of(unit)
+        if not handoff.on_device or self.device_path is None:
+            return super()._start(unit, coef, lr_of)
+        start = time.perf_counter()
+        chosen = self._chosen(unit)
+        kept, handoff.kept = handoff.kept or [None] * len(unit.unique), None
+        pending = self.device_path.launch(unit, [p for _, p in chosen], [kept[i] for i, _ in chosen], handoff.ready,
+                                          coef, lr_of)
+        self.versions.written(unit)  # readers wait for ``pending`` before they read the new version
+        self._add_busy(unit, start)
+        return pending
 
     def _run(self, unit: ParamUnit, clip_coef: float, lr_of: dict[int, float]) -> None:
-        chosen = [(i, p) for i, p in self._params[unit.index] if p.requires_grad]
+        chosen = self._chosen(unit)
         handoff = self.sink.of(unit)
-        if handoff.on_device and self.device_path is not None:
-            kept, handoff.kept = handoff.kept or [None] * len(unit.unique), None
-            self.device_path.run(unit, [p for _, p in chosen], [kept[i] for i, _ in chosen], handoff.ready,
-                                 clip_coef, lr_of)
-        else:
-            host_wait(handoff.ready, f"the gradient copy of {unit.label}", self.timeout_s)
-            grads = [handoff.host[unit.unique[i].offset : unit.unique[i].offset + p.numel()].view(p.shape)
-                     for i, p in chosen]
-            self.optimizer.step_params([p for _, p in chosen], clip_coef, grads, lr_of)
+        host_wait(handoff.ready, f"the gradient copy of {unit.label}", self.timeout_s)
+        grads = [handoff.host[unit.unique[i].offset : unit.unique[i].offset + p.numel()].view(p.shape)
+                 for i, p in chosen]
+        self.optimizer.step_params([p for _, p in chosen], clip_coef, grads, lr_of)
         self.versions.written(unit)
 
     def _close_paths(self) -> None:
-        if self._device_pool is not None:
-            self._device_pool.shutdown(wait=True)
         if self.device_path is not None:
             self.device_path.close()
 

@@ -2,13 +2,13 @@
 
 A device unit's gradients stay on the device after the backward (no D2H). Its update runs the same math as the CPU
 kernel (``optim.reference.reference_step``, from ``HybridAdamW.prepare_update``'s scalars) on device copies of the
-fp32 masters and optimizer states, and moves masters, states and the bf16 stream copy out, so the host tensors stay
-current and checkpoints, resume and callbacks see nothing different. Where the copies live between steps:
+fp32 masters and optimizer states, and moves what the next forward streams out to the host tensors, so checkpoints,
+resume and callbacks see nothing different. Where the copies live between steps:
 
 - staged: two staging buffers, refilled for every update. Each phase has its own stream: copies in (H2D), the
-  update, copies out (D2H). Two units are in flight, launched by the two threads of the device worker pool: while
-  unit ``k`` is updated, unit ``k + 1`` is copied in and unit ``k - 1`` copied out. A staging buffer is handed on
-  with the event of its last copy out, which the next unit's copies in wait for on the device.
+  update, copies out (D2H). A staging buffer is handed on with the event of its last copy out, which the next
+  unit's copies in wait for on the device, so while unit ``k`` is updated, unit ``k + 1`` is copied in and unit
+  ``k - 1`` copied out.
 - resident: each unit keeps its own device copy of masters and states, copied in once (and again when the host
   tensors were replaced or rewritten: a resume, a load). An update then moves nothing in, and only the stream copy,
   which the next forward reads from host memory, goes out: 2 bytes a parameter instead of 14. The masters and
@@ -17,19 +17,23 @@ current and checkpoints, resume and callbacks see nothing different. Where the c
   back after every update, as an earlier version did, queued 6 more bytes a parameter on the D2H stream ahead of the
   next unit's stream copy, which the next forward waits for.
 
+Everything a device update does is stream work the host only queues, so ``launch`` runs on the main thread at the
+optimizer step and returns at once; the unit's ``WeightVersions`` hold is a ``CopiedOut``, done when the copy the
+next forward streams is back in host memory. An earlier version ran each unit's launch on one of two worker
+threads that then waited for its copy out: those threads' Python (the per-parameter launches and views) competed
+with the main thread for the GIL while it queued the next forward. Each unit's views into its device buffer are
+built once and kept while the host tensors they mirror stay the same.
+
 The update itself is ``optim.triton_adamw.fused_step`` on CUDA where Triton is installed (one kernel per
 parameter), else ``optim.reference.reference_step``: the same math.
-
-A unit's job returns, and its ``WeightVersions`` hold ends, only once the copy the next forward streams is back in
-host memory, so no reader sees half-written weights.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
-import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 
 import torch
@@ -40,7 +44,7 @@ from lightning_lazytrain.optim.reference import reference_step
 
 log = logging.getLogger(__name__)
 
-IN_FLIGHT = 2  # units whose update is queued on the device at once: one copied in while one is updated
+IN_FLIGHT = 2  # staging buffers: one unit copied in while the one before is updated
 _ALIGN = 256  # bytes: every staged tensor starts on a fresh DMA-friendly boundary
 
 
@@ -74,14 +78,41 @@ def update_kernel(param: torch.Tensor, state: dict, block: int) -> Callable[...,
     return kernels.fused_step if kernels is not None and kernels.supports(param, state, block) else reference_step
 
 
-def _streamed(host: dict[str, torch.Tensor]) -> str:
-    """Which of a parameter's tensors the next forward streams: its bf16 copy, or the master itself."""
-    return "copy" if "copy" in host else "param"
+class CopiedOut:
+    """A device unit's pending update as ``WeightVersions`` holds it: done once the copy the next forward streams
+    (staged: everything) is in host memory (``event``; None: nothing is left in flight, as on the CPU)."""
+
+    def __init__(self, event: object, what: str, timeout_s: float) -> None:
+        self.event, self.what, self.timeout_s = event, what, timeout_s
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def result(self, timeout: float | None = None) -> None:
+        host_wait(self.event, self.what, self.timeout_s if timeout is None else timeout)
+
+
+@dataclass
+class _ParamViews:
+    """One parameter's host tensors and their places in its unit's device buffer, fixed while the host tensors are
+    the same objects."""
+
+    param: torch.Tensor  # the master the optimizer knows
+    host: dict[str, torch.Tensor]  # "param" (the master, detached), its states by name, "copy" (the stream copy)
+    staged: dict[str, torch.Tensor]  # the same names, viewing the device buffer
+    state: dict[str, torch.Tensor]  # the staged states alone, as the kernel takes them
+    streamed: str  # the name of what the next forward streams: "copy", or "param" where there is no copy
+    kernel: Callable[..., None]
+
+    def mirrors(self, param: torch.Tensor, states: dict[str, torch.Tensor], copy: torch.Tensor | None) -> bool:
+        host = self.host
+        return (param is self.param and copy is host.get("copy") and len(states) == len(self.state)
+                and all(host.get(name) is t for name, t in states.items()))
 
 
 class DeviceUpdatePath:
-    """Runs the updates of ``units`` (those assigned to the device), called from ``IN_FLIGHT`` worker threads;
-    ``resident``: masters and states stay on the device between steps (module docstring)."""
+    """Queues the updates of ``units`` (those assigned to the device) from the main thread; ``resident``: masters
+    and states stay on the device between steps (module docstring)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, units: list[ParamUnit], queues: DeviceQueues,
                  timeout_s: float, resident: bool = False) -> None:
@@ -91,13 +122,13 @@ class DeviceUpdatePath:
         self.copy_in, self.compute, self.copy_out = ((torch.cuda.Stream(queues.device) for _ in range(3)) if cuda
                                                      else (None, None, None))
         self._registered: dict[int, torch.Tensor] = {}  # page-locked address -> its tensor, kept alive until unpinned
-        self._staging: queue.Queue = queue.Queue()
+        self._staging: queue.SimpleQueue = queue.SimpleQueue()
         self._homes: dict[int, torch.Tensor] = {}
+        self._views: dict[tuple[int, int], list[_ParamViews]] = {}  # (unit index, buffer address) -> its views
         self._last_out: dict[int, object] = {}  # resident: each home's latest copies out
         self._dirty: dict[int, tuple[list, object]] = {}  # resident: (host, device) pairs newer on the device, event
-        self._sources: dict[int, tuple[int, ...]] = {}  # resident: the host tensors each home was copied from
+        self._mirrored: set[int] = set()  # resident: homes copied in from the host tensors their views hold
         self.copies_in = 0  # units whose masters and states were copied in (resident: once each, and after loads)
-        self._count_lock = threading.Lock()  # two worker threads count
         if resident:
             for unit in units:
                 self._homes[unit.index] = torch.empty(staging_bytes(unit, optimizer), dtype=torch.uint8,
@@ -138,7 +169,7 @@ class DeviceUpdatePath:
     def _take_buffer(self, unit: ParamUnit) -> tuple[torch.Tensor, object]:
         if self.resident:
             return self._homes[unit.index], self._last_out.get(unit.index)
-        return self._staging.get()
+        return self._staging.get_nowait()  # two buffers, each put back as soon as its unit is queued
 
     def _give_back(self, unit: ParamUnit, buffer: torch.Tensor, done: object) -> None:
         if self.resident:
@@ -147,10 +178,10 @@ class DeviceUpdatePath:
             self._staging.put((buffer, done))
 
     @torch.no_grad()
-    def run(self, unit: ParamUnit, params: list[torch.Tensor], grads: list[torch.Tensor | None], ready: object,
-            clip_coef: float, lr_of: dict[int, float]) -> None:
-        """Update ``params`` of ``unit`` from ``grads`` (device tensors; ``ready``: the event after the backward
-        that produced them) and return once the stream copy (staged: everything) is back in host memory."""
+    def launch(self, unit: ParamUnit, params: list[torch.Tensor], grads: list[torch.Tensor | None], ready: object,
+               clip_coef: float, lr_of: dict[int, float]) -> CopiedOut:
+        """Queue the update of ``params`` of ``unit`` from ``grads`` (device tensors; ``ready``: the event after the
+        backward that produced them) and its copies out; returns without waiting for any of it."""
         q = self.queues
         buffer, last_out = self._take_buffer(unit)
         done = last_out
@@ -159,66 +190,79 @@ class DeviceUpdatePath:
                 # a parameter the backward left without a gradient is updated with zeros, as the CPU path does
                 kept = [g if g is not None else torch.zeros(p.shape, device=q.device)
                         for p, g in zip(params, grads, strict=True)]
-            jobs, offset = [], 0
-            for p, g in zip(params, kept, strict=True):
-                states, scalars = self.optimizer.prepare_update(p, g, clip_coef, lr_of)
-                host_copy = scalars.pop("copy")
-                host = {"param": p.detach(), **states, **({"copy": host_copy} if host_copy is not None else {})}
-                staged = {}
-                for name, t in host.items():
-                    staged[name] = buffer[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
-                    offset += _aligned(t.nbytes)
-                jobs.append((host, staged, g, scalars))
-            copied_in = self._copy_in(unit, jobs, last_out)
+            prepared = [self.optimizer.prepare_update(p, g, clip_coef, lr_of) for p, g in zip(params, kept)]
+            views = self._views_of(unit, buffer, params, prepared)
+            copied_in = self._copy_in(unit, views, last_out)
             with q.on(self.compute):
                 q.wait(copied_in, self.compute)
                 q.wait(last_out, self.compute)  # resident: the previous copies out still read this home
                 q.wait(ready, self.compute)
-                for _, staged, g, scalars in jobs:
-                    state = {k: v for k, v in staged.items() if k not in ("param", "copy")}
-                    step = update_kernel(staged["param"], state, scalars["block"])
-                    step(param=staged["param"], grad=g, state=state, copy=staged.get("copy"), **scalars)
+                for v, g, (_, scalars) in zip(views, kept, prepared, strict=True):
+                    v.kernel(param=v.staged["param"], grad=g, state=v.state, copy=v.staged.get("copy"),
+                             **{k: x for k, x in scalars.items() if k != "copy"})
                 updated = q.record(self.compute)
             if self.compute is not None:
                 for g in kept:
                     g.record_stream(self.compute)  # allocated on the training's compute stream, read on this one
-            done = self._copy_out(unit, jobs, updated)
+            done = self._copy_out(unit, views, updated)
         finally:
             self._give_back(unit, buffer, done)
-        host_wait(done, f"the device update of {unit.label}", self.timeout_s)
+        return CopiedOut(done, f"the device update of {unit.label}", self.timeout_s)
 
-    def _copy_in(self, unit: ParamUnit, jobs: list, last_out: object) -> object:
-        """Copy masters and states in (staged: always; resident: when the home is not from these host tensors)."""
+    def _views_of(self, unit: ParamUnit, buffer: torch.Tensor, params: list[torch.Tensor],
+                  prepared: list[tuple[dict, dict]]) -> list[_ParamViews]:
+        """The views of ``params`` into ``buffer``: kept from an earlier update while the host tensors are the same
+        objects, else built again (and a resident home is then copied in again)."""
+        key = (unit.index, buffer.data_ptr())
+        kept = self._views.get(key)
+        if kept is not None and len(kept) == len(params) and all(
+                v.mirrors(p, states, scalars["copy"]) for v, p, (states, scalars) in zip(kept, params, prepared)):
+            return kept
+        views, offset = [], 0
+        for p, (states, scalars) in zip(params, prepared, strict=True):
+            copy = scalars["copy"]
+            host = {"param": p.detach(), **states, **({"copy": copy} if copy is not None else {})}
+            staged = {}
+            for name, t in host.items():
+                staged[name] = buffer[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
+                offset += _aligned(t.nbytes)
+            state = {k: staged[k] for k in states}
+            views.append(_ParamViews(p, host, staged, state, "copy" if copy is not None else "param",
+                                     update_kernel(staged["param"], state, scalars["block"])))
+        self._views[key] = views
+        self._mirrored.discard(unit.index)
+        return views
+
+    def _copy_in(self, unit: ParamUnit, views: list[_ParamViews], last_out: object) -> object:
+        """Copy masters and states in (staged: always; resident: when the home does not mirror the host tensors)."""
         q = self.queues
-        sources = tuple(t.data_ptr() for host, _, _, _ in jobs for name, t in host.items() if name != "copy")
-        if self.resident and self._sources.get(unit.index) == sources:
+        if self.resident and unit.index in self._mirrored:
             return None
         with q.on(self.copy_in):
             q.wait(last_out, self.copy_in)  # the buffer's previous unit has been copied out
-            for host, staged, _, _ in jobs:
-                for name, t in host.items():
+            for v in views:
+                for name, t in v.host.items():
                     if name != "copy":  # written by the update, read by nobody before
-                        staged[name].copy_(t, non_blocking=True)
+                        v.staged[name].copy_(t, non_blocking=True)
             copied_in = q.record(self.copy_in)
         if self.resident:
-            self._sources[unit.index] = sources
-        with self._count_lock:
-            self.copies_in += 1
+            self._mirrored.add(unit.index)
+        self.copies_in += 1
         return copied_in
 
-    def _copy_out(self, unit: ParamUnit, jobs: list, updated: object) -> object:
+    def _copy_out(self, unit: ParamUnit, views: list[_ParamViews], updated: object) -> object:
         """Copy out what the next forward streams (staged: everything); the event after those copies."""
         q = self.queues
         with q.on(self.copy_out):
             q.wait(updated, self.copy_out)
-            for host, staged, _, _ in jobs:
-                for name, t in host.items():
-                    if not self.resident or name == _streamed(host):
-                        t.copy_(staged[name], non_blocking=True)
+            for v in views:
+                for name, t in v.host.items():
+                    if not self.resident or name == v.streamed:
+                        t.copy_(v.staged[name], non_blocking=True)
             done = q.record(self.copy_out)
         if self.resident:
-            self._dirty[unit.index] = ([(t, staged[name]) for host, staged, _, _ in jobs for name, t in host.items()
-                                        if name != _streamed(host)], updated)
+            self._dirty[unit.index] = ([(t, v.staged[name]) for v in views for name, t in v.host.items()
+                                        if name != v.streamed], updated)
         return done
 
     def host_state_changed(self) -> None:
@@ -228,11 +272,10 @@ class DeviceUpdatePath:
         self._wait_copies_out()
         self._dirty.clear()
         self._pin_host_tensors()
-        self._sources.clear()
+        self._mirrored.clear()
 
     def drain(self) -> None:
-        """Write every resident unit's masters and states back to the host tensors and wait until they are there
-        (called once no update is in flight)."""
+        """Write every resident unit's masters and states back to the host tensors and wait until they are there."""
         q = self.queues
         with q.on(self.copy_out):
             for index, (pairs, updated) in self._dirty.items():
@@ -255,3 +298,4 @@ class DeviceUpdatePath:
         while not self._staging.empty():
             self._staging.get_nowait()
         self._homes.clear()
+        self._views.clear()

@@ -15,9 +15,17 @@ The units themselves (``store.ParamUnit``) describe only the layout; this is the
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
+from typing import Protocol
 
 from lightning_lazytrain.engine.weights.layout import ParamUnit
+
+
+class PendingUpdate(Protocol):
+    """An update still writing a unit: a worker's ``Future``, or a device update's ``CopiedOut``."""
+
+    def done(self) -> bool: ...
+
+    def result(self, timeout: float | None = None) -> object: ...
 
 
 class WeightVersions:
@@ -26,10 +34,10 @@ class WeightVersions:
         self.units = units
         self.generation = [0] * len(units)
         self._stale = [stale] * len(units)
-        self._pending: list[Future | None] = [None] * len(units)
+        self._pending: list[PendingUpdate | None] = [None] * len(units)
         self._waited_s = 0.0
 
-    def hold(self, unit: ParamUnit, update: Future) -> None:
+    def hold(self, unit: ParamUnit, update: PendingUpdate) -> None:
         """Nothing reads ``unit`` until ``update`` (which writes its masters and streamed copy) has finished."""
         self.wait(unit)
         self._pending[unit.index] = update
