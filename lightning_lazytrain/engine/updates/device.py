@@ -13,16 +13,17 @@ resume and callbacks see nothing different. Where the copies live between steps:
   tensors were replaced or rewritten: a resume, a load). An update then moves nothing in, and only the stream copy,
   which the next forward reads from host memory, goes out: 2 bytes a parameter instead of 14. The masters and
   states on the device are the current ones; ``drain`` writes them back to the host tensors, and every reader of
-  host state goes through it first (the strategy's checkpoint save and state dicts, a load, teardown). Writing them
-  back after every update, as an earlier version did, queued 6 more bytes a parameter on the D2H stream ahead of the
-  next unit's stream copy, which the next forward waits for.
+  host state goes through it first (the strategy's checkpoint save and state dicts, a load, teardown), so the D2H
+  stream carries nothing ahead of the stream copies the next forward waits for.
 
 Everything a device update does is stream work the host only queues, so ``launch`` runs on the main thread at the
 optimizer step and returns at once; the unit's ``WeightVersions`` hold is a ``CopiedOut``, done when the copy the
 next forward streams is back in host memory. An earlier version ran each unit's launch on one of two worker
-threads that then waited for its copy out: those threads' Python (the per-parameter launches and views) competed
-with the main thread for the GIL while it queued the next forward. Each unit's views into its device buffer are
-built once and kept while the host tensors they mirror stay the same.
+threads that then waited for its copy out. Their Python held the GIL the main thread needed to queue the next
+forward, so it cost the main thread about its own length anyway (``benchmarks/results/gil_convoy_cpu.json``:
+equal for threads and inline), while the step's stats did not show it; now it is the main thread's
+``device_update_launch_s``. Each unit's views into its device buffer are built once and kept while the host tensors
+they mirror stay the same, which leaves per parameter ``prepare_update`` and the kernel launch.
 
 The update itself is ``optim.triton_adamw.fused_step`` on CUDA where Triton is installed (one kernel per
 parameter), else ``optim.reference.reference_step``: the same math.
