@@ -239,3 +239,22 @@ def test_plan_share_uses_the_milp_split(monkeypatch):
     assert seen["split"].wait_seconds < milp_updates.forward_wait(seen["problem"], [False] * len(want))
     assert busy.device > 0 and busy.cpu > 0
     assert rel_diff(lt.model, ref.model) <= 1e-5
+
+
+def test_update_work_reserve_follows_the_kernel_that_runs(monkeypatch):
+    """The plan leaves room for the largest update's temporaries: the torch reference's 48 bytes an element, but
+    only a zero gradient's 4 where the fused Triton kernel runs (CUDA, Triton, a layout it knows)."""
+    from lightning_lazytrain.engine.updates import device_kernel
+
+    p = torch.zeros(4096)
+    opt = HybridAdamW([p], eight_bit_fraction=1.0, min_8bit_numel=1)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(device_kernel, "_triton_kernels", lambda: object())  # as where Triton imports
+    assert device_kernel.update_work_bytes(p, opt.state[p], cpu) == 48 * 4096  # the reference runs off CUDA
+    assert device_kernel.update_work_bytes(p, opt.state[p], cuda) == 4 * 4096
+    odd = HybridAdamW([p], eight_bit_fraction=1.0, min_8bit_numel=1, block_size=100)
+    assert device_kernel.update_work_bytes(p, odd.state[p], cuda) == 48 * 4096  # a block the kernel does not take
+    fp32 = HybridAdamW([p], eight_bit_fraction=0.0)
+    assert device_kernel.update_work_bytes(p, fp32.state[p], cuda) == 4 * 4096
+    monkeypatch.setattr(device_kernel, "_triton_kernels", lambda: None)  # no Triton: the reference runs on CUDA too
+    assert device_kernel.update_work_bytes(p, opt.state[p], cuda) == 48 * 4096

@@ -37,7 +37,7 @@ def _on(device: str, p, g, state):
 def test_fused_update_gives_the_cpu_kernels_numbers(eight_bit, master, n):
     """Bit for bit: the device share of the updates must not drift from the CPU's (Adam's first steps amplify an
     ulp into a different update, so "close" is not enough)."""
-    from lightning_lazytrain.engine.updates.device import update_kernel
+    from lightning_lazytrain.engine.updates.device_kernel import update_kernel
     from lightning_lazytrain.optim import kernel
     from lightning_lazytrain.optim.triton_adamw import fused_step
 
@@ -60,7 +60,7 @@ def test_fused_update_gives_the_cpu_kernels_numbers(eight_bit, master, n):
 
 
 def test_fused_update_falls_back_where_it_cannot_run():
-    from lightning_lazytrain.engine.updates.device import update_kernel
+    from lightning_lazytrain.engine.updates.device_kernel import update_kernel
 
     p, g, state, scalars = _case(4096, True, torch.float32, 4096)
     cpu_state = dict(state)

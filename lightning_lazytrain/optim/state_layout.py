@@ -18,7 +18,7 @@ import torch
 
 from .reference import mix32
 
-__all__ = ["STATE_TENSORS", "choose_8bit", "init_state", "defer_state_allocation"]
+__all__ = ["STATE_TENSORS", "choose_8bit", "init_state", "defer_state_allocation", "fused_layout"]
 
 STATE_TENSORS = ("exp_avg", "exp_avg_sq", "exp_avg_codes", "exp_avg_sq_codes", "exp_avg_absmax", "exp_avg_sq_absmax")
 _deferred = threading.local()
@@ -70,3 +70,16 @@ def defer_state_allocation() -> Iterator[None]:
         yield
     finally:
         _deferred.active = before
+
+
+def fused_layout(dtype: torch.dtype, state: dict, block: int) -> bool:
+    """Whether ``optim.triton_adamw``'s kernel handles a parameter of ``dtype`` with these state tensors and 8-bit
+    ``block`` (contiguous CUDA tensors given): fp32 or bf16 masters; fp32 moments, or 8-bit ones in power-of-two
+    blocks of 128 to 8192 elements (one program holds a block). Kept apart from the kernel so that it is known where
+    Triton is not."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if "exp_avg_codes" in state:
+        return block & (block - 1) == 0 and 128 <= block <= 8192
+    exp_avg = state.get("exp_avg")
+    return exp_avg is not None and exp_avg.dtype == torch.float32

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .quant import device_tables
+from .state_layout import fused_layout
 
 __all__ = ["fused_step", "supports"]
 
@@ -27,13 +28,9 @@ _FP32_BLOCK = 1024  # elements per program for fp32 states (no block structure t
 
 
 def supports(param: torch.Tensor, state: dict, block: int) -> bool:
-    """Whether ``fused_step`` handles this update (else the torch reference does): CUDA, contiguous, a power-of-two
-    8-bit block of at most 8192 elements (one program holds a block)."""
-    if param.device.type != "cuda" or not param.is_contiguous() or param.dtype not in (torch.float32, torch.bfloat16):
-        return False
-    if "exp_avg_codes" in state:
-        return block & (block - 1) == 0 and 128 <= block <= 8192
-    return state["exp_avg"].dtype == torch.float32
+    """Whether ``fused_step`` handles this update (else the torch reference does): a contiguous CUDA tensor in a
+    layout the kernel knows (``state_layout.fused_layout``)."""
+    return param.device.type == "cuda" and param.is_contiguous() and fused_layout(param.dtype, state, block)
 
 
 @triton.jit

@@ -35,13 +35,12 @@ import logging
 import queue
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 
 from lightning_lazytrain.engine.device import DeviceQueues, host_wait
+from lightning_lazytrain.engine.updates.device_kernel import update_kernel
 from lightning_lazytrain.engine.weights.layout import ParamUnit
-from lightning_lazytrain.optim.reference import reference_step
 
 log = logging.getLogger(__name__)
 
@@ -61,22 +60,6 @@ def staging_bytes(unit: ParamUnit, optimizer: torch.optim.Optimizer) -> int:
         total += _aligned(e.numel * e.param.element_size()) + sum(_aligned(t.nbytes) for t in states)
         total += _aligned(e.numel * 2)  # a bf16 stream copy (counted whether or not one is registered)
     return total
-
-
-@cache
-def _triton_kernels():
-    try:
-        from lightning_lazytrain.optim import triton_adamw
-    except ImportError:  # no Triton (a CPU build of torch): the torch reference runs the update
-        return None
-    return triton_adamw
-
-
-def update_kernel(param: torch.Tensor, state: dict, block: int) -> Callable[..., None]:
-    """The function that runs one parameter's update: the fused Triton kernel where it applies, else the torch
-    reference (same arguments, same math)."""
-    kernels = _triton_kernels() if param.device.type == "cuda" else None
-    return kernels.fused_step if kernels is not None and kernels.supports(param, state, block) else reference_step
 
 
 class CopiedOut:

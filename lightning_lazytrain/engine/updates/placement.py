@@ -34,6 +34,7 @@ import torch
 
 from lightning_lazytrain.engine.device import device_free_bytes
 from lightning_lazytrain.engine.updates.device import staging_bytes
+from lightning_lazytrain.engine.updates.device_kernel import update_work_bytes
 from lightning_lazytrain.engine.weights.layout import ParamUnit
 
 log = logging.getLogger(__name__)
@@ -53,26 +54,21 @@ class DeviceUpdates:
     states: DeviceStates = "auto"
 
 
-# device bytes per element of the largest parameter that the torch update's temporaries take at their peak
-# (fp32 gradient, decoded moments, new moments, denominator, new weights, int64 code indices)
-UPDATE_WORK_BYTES_PER_ELEMENT = 48
-
-
 @dataclass
 class UnitTraffic:
     numel: int
     h2d_bytes: int
     d2h_bytes: int
     grad_bytes: int
-    largest: int = 0  # elements of the unit's largest parameter
+    work_bytes: int = 0  # device bytes at the peak of its largest parameter's update (``update_work_bytes``)
     home_bytes: int = 0  # device bytes its masters and states take when they stay there (``staging_bytes``)
 
 
-def unit_traffic(unit: ParamUnit, optimizer: torch.optim.Optimizer, stream_itemsize: int,
-                 resident: bool = False) -> UnitTraffic:
+def unit_traffic(unit: ParamUnit, optimizer: torch.optim.Optimizer, stream_itemsize: int, resident: bool,
+                 device: torch.device) -> UnitTraffic:
     """Bytes the device path moves for ``unit`` before the next forward may stream it (``resident``: only the
-    stream copy out) and the device bytes its kept gradients hold."""
-    h2d = d2h = numel = largest = 0
+    stream copy out), the device bytes its kept gradients hold, and its update's peak on ``device``."""
+    h2d = d2h = numel = work = 0
     for e in unit.unique:
         states = sum(t.numel() * t.element_size() for t in optimizer.state_tensors(e.param))
         master = e.numel * e.param.element_size()
@@ -80,8 +76,8 @@ def unit_traffic(unit: ParamUnit, optimizer: torch.optim.Optimizer, stream_items
         h2d += 0 if resident else master + states
         d2h += (copy or master) if resident else master + states + copy
         numel += e.numel
-        largest = max(largest, e.numel)
-    return UnitTraffic(numel, h2d, d2h, numel * stream_itemsize, largest, staging_bytes(unit, optimizer))
+        work = max(work, update_work_bytes(e.param, optimizer.state.get(e.param, {}), device))
+    return UnitTraffic(numel, h2d, d2h, numel * stream_itemsize, work, staging_bytes(unit, optimizer))
 
 
 def split_units(traffic: list[UnitTraffic], cpu_params_per_s: float, h2d_bytes_per_s: float,
@@ -162,7 +158,7 @@ def assign_device_updates(units: list[ParamUnit], optimizer: torch.optim.Optimiz
     activations, and whether their masters and states stay on the device (module docstring)."""
     share = choice.share
     resident = choice.states == "resident" or (choice.states == "auto" and device.type == "cuda")
-    traffic = [unit_traffic(u, optimizer, stream_itemsize, resident) for u in units]
+    traffic = [unit_traffic(u, optimizer, stream_itemsize, resident, device) for u in units]
     if share == "plan":
         flags = _planned_split(optimizer, traffic, device)
     elif share is not None:
@@ -174,10 +170,10 @@ def assign_device_updates(units: list[ParamUnit], optimizer: torch.optim.Optimiz
     if resident and choice.states == "auto":
         flags = homes_that_fit(traffic, flags, RESIDENT_SHARE_OF_FREE * device_free_bytes(device))
     on_device = [t for t, f in zip(traffic, flags, strict=True) if f]
-    # what a plan must leave free: the kept gradients until their update ran and the update's temporaries for the
-    # largest parameter. The homes or staging buffers are allocated with the path, before any plan reads the free
-    # memory, so counting them here would count them twice.
-    work = UPDATE_WORK_BYTES_PER_ELEMENT * max((t.largest for t in on_device), default=0)
+    # what a plan must leave free: the kept gradients until their update ran and the largest update's temporaries
+    # (one update runs at a time). The homes or staging buffers are allocated with the path, before any plan reads
+    # the free memory, so counting them here would count them twice.
+    work = max((t.work_bytes for t in on_device), default=0)
     return flags, sum(t.grad_bytes for t in on_device) + work, resident
 
 
