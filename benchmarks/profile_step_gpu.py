@@ -29,6 +29,8 @@ import torch
 from common import GPU, RandomTokens, StepTimer, commit, machine, run_fit
 from systems import SYSTEMS, build
 
+import lightning_lazytrain
+
 SEQ = 1024
 
 
@@ -131,13 +133,14 @@ def main() -> None:
         shutil.copyfileobj(src, dst)
     os.remove(trace)
     summary = {"command": " ".join(["python", *sys.argv]), "commit": commit(), "machine": machine(),
+               "library": os.path.dirname(lightning_lazytrain.__file__),
                "system": args.system, "shape": args.shape, "batch": args.batch, "profiled_step_wall_s": timer.wall_s,
                "top_self_cpu": _top(prof, "self_cpu_time_total"),
                "top_self_device": _top(prof, "self_device_time_total"), "threads": _threads(prof),
                "python_stacks": timer.sampler.summary()}
     with open(args.out + ".json", "w") as f:
         json.dump(summary, f, indent=1, default=str)
-    print(json.dumps({k: summary[k] for k in ("system", "profiled_step_wall_s", "threads")}, default=str))
+    print(json.dumps({k: summary[k] for k in ("library", "system", "profiled_step_wall_s", "threads")}, default=str))
     for thread, seen in summary["python_stacks"].items():
         print(f"{thread}: {seen['samples']} samples")
         for stack, count in seen["top"][:10]:

@@ -4,6 +4,9 @@
 
 For 8-bit and fp32 states, an fp32 master with a bf16 stream copy, 100M elements: the median of 10 updates after
 2 warm-up ones, CUDA events around each. Also the bytes each update must move, to read the time as bandwidth.
+Then the host's side: the main thread queues every device update (``engine/updates/device.py``), so the Python
+time one ``fused_step`` call takes on a small parameter (``--launch-numel``), the median over 2000 calls in a row
+with no synchronization between them, is what the main thread pays per parameter besides ``prepare_update``.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 
 import torch
 from common import commit, machine
@@ -50,9 +54,24 @@ def _time(step, p, g, state, copy, scalars, warmup: int = 2, runs: int = 10) -> 
     return statistics.median(times)
 
 
+def _launch_s(numel: int, calls: int = 2000) -> float:
+    """Median host seconds of one ``fused_step`` call on a ``numel``-element parameter (8-bit states)."""
+    p, g, state, copy, scalars = _case(numel, True)
+    fused_step(param=p, grad=g, state=state, copy=copy, **scalars)  # compiled before timing
+    torch.cuda.synchronize()
+    times = []
+    for i in range(calls):
+        start = time.perf_counter()
+        fused_step(param=p, grad=g, state=state, copy=copy, **{**scalars, "sr_key": i})
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--numel", type=int, default=100_000_000)
+    parser.add_argument("--launch-numel", type=int, default=1 << 20)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     rows = []
@@ -65,6 +84,10 @@ def main() -> None:
             rows.append({"kernel": name, "states": "8-bit" if eight_bit else "fp32", "numel": args.numel,
                          "median_s": s, "bytes_moved": moved, "gb_per_s": moved / s / 1e9})
             print(json.dumps(rows[-1]), flush=True)
+    launch = {"kernel": "triton", "states": "8-bit", "numel": args.launch_numel,
+              "host_s_per_call": _launch_s(args.launch_numel)}
+    rows.append(launch)
+    print(json.dumps(launch), flush=True)
     with open(args.out, "w") as f:
         json.dump({"command": " ".join(["python", *sys.argv]), "commit": commit(), "machine": machine(),
                    "rows": rows}, f, indent=1)
