@@ -181,16 +181,25 @@ class StepTimer(pl.Callback):
             torch.cuda.synchronize()
         rows = self.marks[warmup:]
         starts = [m[0] for m in self.marks]
-        step = [starts[i].elapsed_time(starts[i + 1]) / 1e3 for i in range(warmup, len(starts) - 1)]
+        intervals = [starts[i].elapsed_time(starts[i + 1]) / 1e3 for i in range(len(starts) - 1)]
+        step = intervals[warmup:]
         fwd_bwd = [a.elapsed_time(b) / 1e3 for a, b, _ in rows]
         opt = [b.elapsed_time(c) / 1e3 for _, b, c in rows]
         last = [a.elapsed_time(c) / 1e3 for a, _, c in rows]
+        # the engine's counters of the same steps whose intervals are timed, median per counter: the last step's
+        # alone (as before) described another step than the one interval a 3-step run times
+        timed = self.stats[warmup : warmup + len(step)] or self.stats[-1:]
+        engine = {}
+        for k in timed[0] if timed else {}:
+            seen = [st.get(k) for st in timed]
+            engine[k] = statistics.median(seen) if all(isinstance(v, (int, float)) for v in seen) else seen[-1]
         return {
             "step_s": statistics.median(step) if step else statistics.median(last),
+            "step_s_each": intervals,  # batch start to batch start, every step, the warm-up ones first
             "fwd_bwd_s": statistics.median(fwd_bwd),
             "optimizer_s": statistics.median(opt),
-            "steps_timed": len(rows),
-            "engine": self.stats[-1] if self.stats else {},
+            "steps_timed": len(step) or len(rows),
+            "engine": engine,
             "host_rss_max_gib": self.rss_max / 2**30,
         }
 

@@ -108,6 +108,7 @@ def one_run(system: str, shape: str, batch: int, cap: float | None, steps: int, 
     schedule = getattr(getattr(run.strategy, "resume", None), "schedule_result", None)
     row.update({
         "status": "ok", "optimizer": run.optimizer, "note": run.note, "step_s": s["step_s"],
+        "step_s_each": s["step_s_each"],
         "tokens_per_s": tokens / s["step_s"], "model_tflops": fpt * tokens / s["step_s"] / 1e12,
         "executed_tflops": fpt * tokens * ratio / s["step_s"] / 1e12, "work_ratio": ratio,
         "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if GPU else 0.0,
