@@ -31,8 +31,8 @@ parameter), else ``optim.reference.reference_step``: the same math.
 
 from __future__ import annotations
 
+import collections
 import logging
-import queue
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -106,7 +106,7 @@ class DeviceUpdatePath:
         self.copy_in, self.compute, self.copy_out = ((torch.cuda.Stream(queues.device) for _ in range(3)) if cuda
                                                      else (None, None, None))
         self._registered: dict[int, torch.Tensor] = {}  # page-locked address -> its tensor, kept alive until unpinned
-        self._staging: queue.SimpleQueue = queue.SimpleQueue()
+        self._staging: collections.deque = collections.deque()  # (buffer, event of its last copy out)
         self._homes: dict[int, torch.Tensor] = {}
         self._views: dict[tuple[int, int], list[_ParamViews]] = {}  # (unit index, buffer address) -> its views
         self._last_out: dict[int, object] = {}  # resident: each home's latest copies out
@@ -120,7 +120,7 @@ class DeviceUpdatePath:
         else:
             nbytes = max((staging_bytes(u, optimizer) for u in units), default=0)
             for _ in range(IN_FLIGHT):
-                self._staging.put((torch.empty(nbytes, dtype=torch.uint8, device=queues.device), None))
+                self._staging.append((torch.empty(nbytes, dtype=torch.uint8, device=queues.device), None))
         self._pin_host_tensors()
 
     def _host_tensors(self) -> list[torch.Tensor]:
@@ -153,13 +153,13 @@ class DeviceUpdatePath:
     def _take_buffer(self, unit: ParamUnit) -> tuple[torch.Tensor, object]:
         if self.resident:
             return self._homes[unit.index], self._last_out.get(unit.index)
-        return self._staging.get_nowait()  # two buffers, each put back as soon as its unit is queued
+        return self._staging.popleft()  # two buffers, each given back as soon as its unit is queued
 
     def _give_back(self, unit: ParamUnit, buffer: torch.Tensor, done: object) -> None:
         if self.resident:
             self._last_out[unit.index] = done
         else:
-            self._staging.put((buffer, done))
+            self._staging.append((buffer, done))
 
     @torch.no_grad()
     def launch(self, unit: ParamUnit, params: list[torch.Tensor], grads: list[torch.Tensor | None], ready: object,
@@ -279,7 +279,6 @@ class DeviceUpdatePath:
         for ptr in self._registered:
             torch.cuda.cudart().cudaHostUnregister(ptr)
         self._registered.clear()
-        while not self._staging.empty():
-            self._staging.get_nowait()
+        self._staging.clear()
         self._homes.clear()
         self._views.clear()
