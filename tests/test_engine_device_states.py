@@ -136,3 +136,43 @@ def test_weights_loaded_mid_run_reach_the_resident_homes():
                       LazyTrainStrategy(device_update_share=0.5, device_update_states="staged"), max_steps=4)
     assert rel_diff(runs["staged"].model, straight.model) > 1e-4  # the rewind changed the run
     assert rel_diff(runs["resident"].model, runs["staged"].model) == 0.0
+
+
+class LateEvent:
+    """A stand-in for a CUDA event: complete once ``finish`` is called."""
+
+    def __init__(self) -> None:
+        self.finished = False
+
+    def query(self) -> bool:
+        return self.finished
+
+    def finish(self) -> None:
+        self.finished = True
+
+
+def test_a_device_update_holds_its_unit_until_its_copy_out_completes():
+    """The main thread queues a device unit's update and goes on; the unit's readers (the next forward's weight
+    copy, a refresh) wait for the copy-out event, the wait is counted, and an event that never completes ends in
+    an error naming the unit instead of a hang."""
+    import threading
+
+    from lightning_lazytrain.engine.updates.device import CopiedOut
+    from lightning_lazytrain.engine.weights.layout import ParamUnit
+    from lightning_lazytrain.engine.weights.versions import WeightVersions
+
+    buffer = torch.zeros(4)
+    unit = ParamUnit(0, "layer 0", [], 4, buffer, buffer)
+    versions = WeightVersions([unit], stale=False)
+    event = LateEvent()
+    versions.hold(unit, CopiedOut(event, "the device update of layer 0", timeout_s=30.0))
+    versions.written(unit)
+    timer = threading.Timer(0.05, event.finish)
+    timer.start()
+    assert versions.refresh(unit) == 1
+    assert event.finished, "the refresh returned before the copy out completed"
+    assert versions.take_wait_seconds() >= 0.04
+    timer.join()
+    versions.hold(unit, CopiedOut(LateEvent(), "the device update of layer 0", timeout_s=0.05))
+    with pytest.raises(TimeoutError, match="the device update of layer 0"):
+        versions.refresh(unit)

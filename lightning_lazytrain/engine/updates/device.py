@@ -73,7 +73,8 @@ class CopiedOut:
         return self.event is None or self.event.query()
 
     def result(self, timeout: float | None = None) -> None:
-        host_wait(self.event, self.what, self.timeout_s if timeout is None else timeout)
+        # the engine's own limit holds even where the reader allows longer, as a worker's host wait did
+        host_wait(self.event, self.what, self.timeout_s if timeout is None else min(timeout, self.timeout_s))
 
 
 @dataclass
