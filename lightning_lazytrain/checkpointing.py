@@ -103,13 +103,10 @@ class CheckpointingStrategy(ProcessGroupStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self.executor is not None:
-            self.executor.wait_updates()  # a load during the run must not race the updates still writing masters
         if self.executor is not None and self.executor.load_model_state(checkpoint["state_dict"]):
             return
+        # the model's load hooks (engine/hooks.py) wait for queued updates first and refresh what mirrors the masters
         super().load_model_state_dict(checkpoint, strict=strict)
-        if self.executor is not None:
-            self.executor.host_state_loaded(masters=True)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

@@ -111,16 +111,29 @@ def test_resident_homes_beyond_the_budget_go_back_to_the_cpu():
 
 
 class RewindWeights(pl.Callback):
-    """Keeps the module's weights after batch 0 and loads them back through the strategy before batch 2, as a
-    callback that rewinds a run would: the optimizer states carry on, the masters go back."""
+    """Keeps the module's weights after batch 0 and loads them back before batch 2, as a callback that rewinds a
+    run would (``through`` the strategy, or the module's own ``load_state_dict``): the optimizer states carry on,
+    the masters go back."""
+
+    def __init__(self, through: str = "strategy") -> None:
+        self.through = through
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if batch_idx == 0:
             self.saved = {k: v.detach().clone() for k, v in module.state_dict().items()}
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
-        if batch_idx == 2:
+        if batch_idx != 2:
+            return
+        executor = trainer.strategy.executor
+        if self.through == "strategy":
             trainer.strategy.load_model_state_dict({"state_dict": self.saved})
+        elif self.through == "module":
+            module.load_state_dict(self.saved)
+        else:  # by hand: what the engine must do around a load, spelled out
+            executor.wait_updates()
+            module.load_state_dict(self.saved)
+            executor.host_state_loaded(masters=True)
 
 
 def test_weights_loaded_mid_run_reach_the_resident_homes():
@@ -176,3 +189,19 @@ def test_a_device_update_holds_its_unit_until_its_copy_out_completes():
     versions.hold(unit, CopiedOut(LateEvent(), "the device update of layer 0", timeout_s=0.05))
     with pytest.raises(TimeoutError, match="the device update of layer 0"):
         versions.refresh(unit)
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5])
+def test_a_callbacks_own_load_state_dict_reaches_what_streams(share):
+    """bf16-mixed streams a bf16 copy of the masters (and a device share keeps its own): a callback loading weights
+    with the module's own ``load_state_dict`` mid-run gets the run the strategy's load gives (the model's load
+    hooks wait for queued updates, then refresh the streamed copies and device homes)."""
+    model, data = tiny_model("qwen2"), batches(4)
+    runs = {}
+    for through in ("by hand", "module", "strategy"):
+        strategy = LazyTrainStrategy(device_update_share=share, device_update_states="resident")
+        runs[through], _ = fit(HybridModule(copy.deepcopy(model), 1.0), data, strategy, precision="bf16-mixed",
+                               max_steps=4, callbacks=[RewindWeights(through)])
+    assert rel_diff(runs["by hand"].model, model) > 1e-3
+    assert rel_diff(runs["module"].model, runs["by hand"].model) == 0.0
+    assert rel_diff(runs["strategy"].model, runs["by hand"].model) == 0.0

@@ -50,6 +50,8 @@ class HookedRunner(Protocol):
 
     def wait_updates(self) -> None: ...
 
+    def host_state_loaded(self, masters: bool) -> None: ...
+
 
 class ModelHooks:
     """Installs the overrides and the device copies of the model's buffers; ``remove()`` gives the model back."""
@@ -75,7 +77,13 @@ class ModelHooks:
         self._patch(model, types.MethodType(_causal_lm_forward(runner, self.original_forward), model))
         # a state dict taken during the run (a user's callback) holds the weights after the step just taken: the
         # queued updates finish first, and device-resident masters are written back
-        self._state_hook = model.register_state_dict_pre_hook(lambda *_: runner.wait_updates())
+        self._state_hooks = [
+            model.register_state_dict_pre_hook(lambda *_: runner.wait_updates()),
+            # a load during the run (the strategy's, or a callback's own load_state_dict) waits for the updates
+            # still writing the masters, and the streamed copies and device homes are then refreshed from them
+            model.register_load_state_dict_pre_hook(lambda *_: runner.wait_updates()),
+            model.register_load_state_dict_post_hook(lambda *_: runner.host_state_loaded(masters=True)),
+        ]
 
     def _patch(self, module: nn.Module, forward: Any) -> None:
         self._patched.append((module, "forward" in module.__dict__))
@@ -100,7 +108,8 @@ class ModelHooks:
         for module, name, buf in self._saved_buffers:
             module._buffers[name] = buf
         self._saved_buffers.clear()
-        self._state_hook.remove()
+        for hook in self._state_hooks:
+            hook.remove()
 
 
 def _recorder(runner: HookedRunner, j: int):
