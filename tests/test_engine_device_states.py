@@ -112,8 +112,8 @@ def test_resident_homes_beyond_the_budget_go_back_to_the_cpu():
 
 class RewindWeights(pl.Callback):
     """Keeps the module's weights after batch 0 and loads them back before batch 2, as a callback that rewinds a
-    run would (``through`` the strategy, or the module's own ``load_state_dict``): the optimizer states carry on,
-    the masters go back."""
+    run would: the optimizer states carry on, the masters go back. ``through``: the strategy, the module's own
+    ``load_state_dict``, or that load "by hand", with the engine's wait before and refresh after spelled out."""
 
     def __init__(self, through: str = "strategy") -> None:
         self.through = through
