@@ -146,10 +146,13 @@ def budgets(run: RunSpec, machine: Machine, batch: int) -> tuple[int, int, int, 
             (run.adapter.num_layers + 1) * batch * run.seq * run.adapter.model.config.hidden_size * itemsize
         )
         if room < min(gpu, every_boundary):  # the default budget would put more on the GPU than the room left
+            # the run itself sizes the boundaries from the measured working set (planner.gpu_total_bytes), so
+            # the budget is only advice for a user who wants this plan's
             notes.append(
-                f"the default GPU budget (half the free memory, {gpu / GIB:.2f} GiB) leaves the working set "
-                f"too little; planned with {room / GIB:.2f} GiB: run with "
-                f"--trainer.strategy.init_args.gpu_activation_gib {room / GIB:.2f}"
+                f"half the free GPU memory ({gpu / GIB:.2f} GiB) for boundaries would leave the estimated working "
+                f"set too little, so this plan saves {room / GIB:.2f} GiB of them; the run sizes them itself from "
+                f"the measured working set (to pin this budget: --trainer.strategy.init_args.gpu_activation_gib "
+                f"{room / GIB:.2f})"
             )
             gpu = room
     host_need = _host_report(run, machine).tiers["host"].need
