@@ -109,8 +109,8 @@ class GpuLayout:
     the embedding's backward builds before it is accumulated.
     ``workspace_bytes``: one layer's forward-with-grad graph and its backward's transients (per token 8 hidden + 6
     intermediate values in the stream dtype) plus the loss chunk's fp32 logits and their gradient. An analytic
-    estimate (the per-layer working set is not profiled yet, issue 16); docs/plan.md compares it with measured
-    peaks.
+    estimate (a run measures its per-layer working set on its GPU, ``layer_memory.py``; this forecast does not use
+    such figures yet); docs/plan.md compares it with measured peaks.
     """
 
     slot_bytes: int
