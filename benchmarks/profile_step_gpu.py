@@ -26,7 +26,7 @@ import threading
 import time
 
 import torch
-from common import GPU, RandomTokens, StepTimer, commit, machine, run_fit
+from common import GPU, RandomTokens, StepTimer, run_fit, write_results
 from systems import SYSTEMS, build
 
 import lightning_lazytrain
@@ -132,14 +132,12 @@ def main() -> None:
     with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
         shutil.copyfileobj(src, dst)
     os.remove(trace)
-    summary = {"command": " ".join(["python", *sys.argv]), "commit": commit(), "machine": machine(),
-               "library": os.path.dirname(lightning_lazytrain.__file__),
+    summary = {"library": os.path.dirname(lightning_lazytrain.__file__),
                "system": args.system, "shape": args.shape, "batch": args.batch, "profiled_step_wall_s": timer.wall_s,
                "top_self_cpu": _top(prof, "self_cpu_time_total"),
                "top_self_device": _top(prof, "self_device_time_total"), "threads": _threads(prof),
                "python_stacks": timer.sampler.summary()}
-    with open(args.out + ".json", "w") as f:
-        json.dump(summary, f, indent=1, default=str)
+    write_results(args.out + ".json", summary)
     print(json.dumps({k: summary[k] for k in ("library", "system", "profiled_step_wall_s", "threads")}, default=str))
     for thread, seen in summary["python_stacks"].items():
         print(f"{thread}: {seen['samples']} samples")

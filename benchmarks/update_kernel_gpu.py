@@ -14,11 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 
 import torch
-from common import commit, machine
+from common import write_results
 
 from lightning_lazytrain.optim.quant import quantize_blockwise
 from lightning_lazytrain.optim.reference import reference_step, v_floor_coef
@@ -88,9 +87,7 @@ def main() -> None:
               "host_s_per_call": _launch_s(args.launch_numel)}
     rows.append(launch)
     print(json.dumps(launch), flush=True)
-    with open(args.out, "w") as f:
-        json.dump({"command": " ".join(["python", *sys.argv]), "commit": commit(), "machine": machine(),
-                   "rows": rows}, f, indent=1)
+    write_results(args.out, {"rows": rows})
 
 
 if __name__ == "__main__":
