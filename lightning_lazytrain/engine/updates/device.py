@@ -34,7 +34,7 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -88,6 +88,10 @@ class _ParamViews:
     state: dict[str, torch.Tensor]  # the staged states alone, as the kernel takes them
     streamed: str  # the name of what the next forward streams: "copy", or "param" where there is no copy
     kernel: Callable[..., None]
+    written_back: list[tuple[torch.Tensor, torch.Tensor]] = field(init=False)  # resident: (host, device) at drain
+
+    def __post_init__(self) -> None:
+        self.written_back = [(t, self.staged[name]) for name, t in self.host.items() if name != self.streamed]
 
     def mirrors(self, param: torch.Tensor, states: dict[str, torch.Tensor], copy: torch.Tensor | None) -> bool:
         host = self.host
@@ -111,7 +115,7 @@ class DeviceUpdatePath:
         self._homes: dict[int, torch.Tensor] = {}
         self._views: dict[tuple[int, int], list[_ParamViews]] = {}  # (unit index, buffer address) -> its views
         self._last_out: dict[int, object] = {}  # resident: each home's latest copies out
-        self._dirty: dict[int, tuple[list, object]] = {}  # resident: (host, device) pairs newer on the device, event
+        self._dirty: dict[int, tuple[list[_ParamViews], object]] = {}  # resident: views newer on the device, event
         self._mirrored: set[int] = set()  # resident: homes copied in from the host tensors their views hold
         self.copies_in = 0  # units whose masters and states were copied in (resident: once each, and after loads)
         if resident:
@@ -246,8 +250,7 @@ class DeviceUpdatePath:
                         t.copy_(v.staged[name], non_blocking=True)
             done = q.record(self.copy_out)
         if self.resident:
-            self._dirty[unit.index] = ([(t, v.staged[name]) for v in views for name, t in v.host.items()
-                                        if name != v.streamed], updated)
+            self._dirty[unit.index] = (views, updated)
         return done
 
     def host_state_changed(self) -> None:
@@ -263,9 +266,9 @@ class DeviceUpdatePath:
         """Write every resident unit's masters and states back to the host tensors and wait until they are there."""
         q = self.queues
         with q.on(self.copy_out):
-            for index, (pairs, updated) in self._dirty.items():
+            for index, (views, updated) in self._dirty.items():
                 q.wait(updated, self.copy_out)
-                for host, device in pairs:
+                for host, device in (pair for v in views for pair in v.written_back):
                     host.copy_(device, non_blocking=True)
                 self._last_out[index] = q.record(self.copy_out)
         self._dirty.clear()
