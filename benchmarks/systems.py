@@ -21,6 +21,22 @@ SYSTEMS = ("gpu-resident", "gpu-resident-ckpt", "lazytrain", "lazytrain-one-rank
            "fsdp-cpu-offload", "fsdp-cpu-offload-fused", "deepspeed-z3-offload", "deepspeed-z3-offload-fair")
 
 
+# the lazytrain systems with the engine's overlapped update: strategy arguments (besides schedule="milp") and what
+# the row's optimizer label adds
+OVERLAPPED = {
+    "lazytrain": ({}, ""),
+    # issue 17: the multi-process path (process group, sharded sink, reduce-scatter) on one GPU
+    "lazytrain-one-rank-nccl": ({"force_distributed": True}, ", force_distributed=True (one-rank NCCL)"),
+    "lazytrain-gpu-updates": ({"device_update_share": None}, ", a measured share of the updates on the GPU"),
+    "lazytrain-gpu-updates-plan": ({"device_update_share": "plan"}, ", the MILP's share on the GPU, states kept there"),
+    "lazytrain-gpu-updates-plan-staged": ({"device_update_share": "plan", "device_update_states": "staged"},
+                                          ", the MILP's share on the GPU, states copied in and out"),
+    "lazytrain-gpu-updates-all": ({"device_update_share": 1.0},
+                                  ", every update on the GPU that fits, states kept there"),
+    "lazytrain-interval4-overlap": ({"schedule": "interval:4"}, ""),
+}
+
+
 @dataclass
 class SystemRun:
     module: BenchModule
@@ -53,30 +69,10 @@ def build(system: str, shape: str, batch: int, host_cache: dict, fp32_adamw: boo
         # 8-bit states: on the H200 host's 16 cores the one-loop 8-bit update is the faster one (4.99 vs 3.74
         # G params/s with bf16 grads, clip and stream copy: results/optim_cpu_16core.json) and a quarter the bytes
         hybrid, label = "hybrid1", "HybridAdamW 8-bit states"
-        if system == "lazytrain":
-            return SystemRun(BenchModule(model, hybrid), LazyTrainStrategy(schedule="milp"), "bf16-mixed",
-                             f"{label}, overlapped", clip)
-        if system == "lazytrain-one-rank-nccl":
-            # issue 17: the multi-process path (process group, sharded sink, reduce-scatter) on one GPU
-            return SystemRun(BenchModule(model, hybrid), LazyTrainStrategy(schedule="milp", force_distributed=True),
-                             "bf16-mixed", f"{label}, overlapped, force_distributed=True (one-rank NCCL)", clip)
-        if system == "lazytrain-gpu-updates":
-            return SystemRun(BenchModule(model, hybrid), LazyTrainStrategy(schedule="milp", device_update_share=None),
-                             "bf16-mixed", f"{label}, overlapped, a measured share of the updates on the GPU", clip)
-        if system == "lazytrain-gpu-updates-plan":
-            return SystemRun(BenchModule(model, hybrid), LazyTrainStrategy(schedule="milp", device_update_share="plan"),
-                             "bf16-mixed", f"{label}, overlapped, the MILP's share on the GPU, states kept there", clip)
-        if system == "lazytrain-gpu-updates-plan-staged":
-            strategy = LazyTrainStrategy(schedule="milp", device_update_share="plan", device_update_states="staged")
-            return SystemRun(BenchModule(model, hybrid), strategy, "bf16-mixed",
-                             f"{label}, overlapped, the MILP's share on the GPU, states copied in and out", clip)
-        if system == "lazytrain-gpu-updates-all":
-            return SystemRun(BenchModule(model, hybrid), LazyTrainStrategy(schedule="milp", device_update_share=1.0),
-                             "bf16-mixed", f"{label}, overlapped, every update on the GPU that fits, states kept there",
-                             clip)
-        if system == "lazytrain-interval4-overlap":
-            return SystemRun(BenchModule(model, hybrid), LazyTrainStrategy(schedule="interval:4"), "bf16-mixed",
-                             f"{label}, overlapped", clip)
+        if system in OVERLAPPED:
+            kwargs, note = OVERLAPPED[system]
+            return SystemRun(BenchModule(model, hybrid), LazyTrainStrategy(**{"schedule": "milp", **kwargs}),
+                             "bf16-mixed", f"{label}, overlapped{note}", clip)
         opt = "adamw" if fp32_adamw else "hybrid1"
         return SystemRun(BenchModule(model, opt), LazyTrainStrategy(schedule="interval:4", overlap_updates=False),
                          "bf16-mixed", "torch AdamW fp32 (CPU), after backward" if fp32_adamw else
