@@ -34,6 +34,7 @@ from lightning_lazytrain.replan import LinkDrift, MilpPlan
 from lightning_lazytrain.resume import ResumeState
 from lightning_lazytrain.schedule import Schedule
 from lightning_lazytrain.schedule.generation import GenerationMode, check_generation_mode
+from lightning_lazytrain.weight_averaging import install_weight_averaging_sync
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +193,7 @@ class LazyTrainStrategy(CheckpointingStrategy):
             self.admission_report = report = admission(self.executor, optimizer, precision.precision, *self.host_share)
             report.check()
             log.info("lazytrain admission:\n%s", report.table())
+            install_weight_averaging_sync(trainer, self.executor)
         self.setup_precision_plugin()
 
     def _engine_can_update(self, trainer: pl.Trainer) -> bool:
