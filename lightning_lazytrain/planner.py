@@ -104,7 +104,9 @@ def gpu_total_bytes(executor: StreamingExecutor, margin: float = 0.95) -> int | 
     fragmentation. ``None`` off CUDA, where no device memory limits the plan."""
     if executor.device.type != "cuda":
         return None
-    pool = len(executor.pool.slots) * executor.slot_numel * executor.store.stream_dtype.itemsize
+    # no pool after a failed step was discarded (the OOM ladder re-plans then): its memory is already free
+    slots = len(executor.pool.slots) if executor.pool is not None else 0
+    pool = slots * executor.slot_numel * executor.store.stream_dtype.itemsize
     return int(max(0, device_free_bytes(executor.device) + pool - executor.device_update_reserve_bytes) * margin)
 
 
