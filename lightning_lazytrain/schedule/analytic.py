@@ -15,14 +15,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from lightning_lazytrain.engine.loss import LOSS_CHUNK_BYTES
 from lightning_lazytrain.models.adapter import ModelAdapter
 
 from .gpus import GpuSpec
-from .profile import SOURCE_KEYS, Profile, _attention_flops, _unique_numel
+from .layer_memory import unique_numel
+from .profile import SOURCE_KEYS, Profile, _attention_flops
 
 ACHIEVED_FRACTION = 0.58
 DISK_READ, DISK_WRITE = 1.28e9, 0.51e9  # REFERENCE.md: the H200 machine's disk (no spill dir to measure)
-LOSS_CHUNK_BYTES = 1 << 29  # the executor's default loss chunk: fp32 logits of this many bytes, and their grad
 
 
 def model_flops_per_step(num_params: int, num_layers: int, hidden: int, batch: int, seq: int) -> float:
@@ -46,7 +47,7 @@ def analytic_profile(
     itemsize = stream_dtype.itemsize
     tokens, types = batch * seq, adapter.layer_types()
     rate = gpu.bf16_tflops * 1e12 * achieved_fraction
-    numel = [_unique_numel(layer) for layer in adapter.layers]
+    numel = [unique_numel(layer) for layer in adapter.layers]
     forward = [
         (2.0 * numel[j] * tokens + _attention_flops(config, types[j], batch, seq)) / rate
         for j in range(adapter.num_layers)
@@ -90,6 +91,7 @@ def scale_profile(profile: Profile, measured_tflops: float, gpu: GpuSpec) -> Pro
     return replace(
         profile,
         forward_seconds=[f * ratio for f in profile.forward_seconds],
+        mlp_seconds=[f * ratio for f in profile.mlp_seconds],
         head_seconds=profile.head_seconds * ratio,
         h2d_bytes_per_s=gpu.h2d_bytes_per_s,
         d2h_bytes_per_s=gpu.d2h_bytes_per_s,
@@ -124,7 +126,7 @@ class GpuLayout:
 def gpu_layout(adapter: ModelAdapter, batch: int, seq: int, stream_dtype: torch.dtype = torch.bfloat16) -> GpuLayout:
     config = adapter.model.config
     itemsize = stream_dtype.itemsize
-    slot = max(_unique_numel(layer) for layer in adapter.layers) * itemsize
+    slot = max(unique_numel(layer) for layer in adapter.layers) * itemsize
     layer_ids = {id(p) for layer in adapter.layers for p in layer.parameters()}
     resident = sum(p.numel() for p in {id(p): p for p in adapter.model.parameters()}.values() if id(p) not in layer_ids)
     h, inter = config.hidden_size, getattr(config, "intermediate_size", 4 * config.hidden_size)
