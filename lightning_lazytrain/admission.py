@@ -136,10 +136,9 @@ def admission_report(
         pinned_slot_bytes: host staging buffers beyond the parameter store (e.g. grad bounce buffers).
         cpu_activation_bytes: boundaries the schedule homes in pinned CPU memory.
         host_other_bytes: anything else the caller knows of (dataloader workers, tokenizer, ...).
-        gpu_slot_bytes / gpu_resident_bytes / gpu_workspace_bytes / gpu_activation_bytes: the GPU weight slots,
-            parts kept on the GPU (embeddings, head, norms), peak per-layer workspace, GPU-homed boundaries.
-        gpu_graph_bytes / gpu_margin_bytes: layers' graphs kept from the forward to the backward, and the memory
-            the plan leaves free for the allocator's rounding and fragmentation.
+        gpu_slot_bytes / gpu_resident_bytes / gpu_graph_bytes / gpu_workspace_bytes / gpu_activation_bytes /
+            gpu_margin_bytes: the GPU weight slots, parts kept on the GPU (embeddings, head, norms), graphs kept to
+            the backward, peak workspace, GPU-homed boundaries, room left for the allocator's rounding.
         disk_bytes: NVMe-homed boundaries in the spill dir.
         ranks_per_host / world_size: several processes (``world_size > 1``) count one host: the streamed copy
             once (it is shared), masters / gradients / states as the host's ``ranks_per_host / world_size`` share.
@@ -229,8 +228,7 @@ def _suggest(r: AdmissionReport, per: dict[str, float], trainable: int, disk_fre
         if act:
             out.append(f"smaller batch, or a plan with fewer GPU-homed boundaries (more CPU/NVMe/recompute): frees up "
                        f"to {act / GIB:.2f} GiB" + (" (enough)" if act >= gpu.short else ""))
-        graphs = gpu.pieces.get("kept graphs", 0)
-        if graphs:
+        if graphs := gpu.pieces.get("kept graphs", 0):
             out.append(f"fewer kept graphs (keep_graph_layers, or the plan's keep_graph): frees up to "
                        f"{graphs / GIB:.2f} GiB" + (" (enough)" if graphs >= gpu.short else ""))
         ws = gpu.pieces.get("workspace", 0)

@@ -199,27 +199,6 @@ def test_14b_and_27b_meta_shapes_plan_with_cpu_homes_when_the_gpu_is_small(shape
     assert f.report.tiers["host"].pieces["CPU activations"] == counts["cpu"] * batch * 1024 * config.hidden_size * 2
 
 
-def test_largest_batch_is_the_brute_force_largest():
-    config = Qwen2Config(
-        vocab_size=512,
-        hidden_size=512,
-        intermediate_size=2048,
-        num_hidden_layers=6,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-    )
-    run = _run(_meta(config), seq=1024)
-    # 1.5 GiB of head working set, then ~55 MiB per sequence of one layer's working set and 1 MiB per boundary
-    machine = _machine(2.0, host_gib=0.5)
-    best = largest_batch(run, machine, _analytic(run))
-    fits = [forecast(run, machine, b, _analytic(run)).fits_gpu for b in range(1, 48)]
-    brute = max(b for b, ok in zip(range(1, 48), fits) if ok)
-    assert 10 < brute < 40
-    assert best.batch == brute and best.fits_gpu
-    # the cheap test answers as the MILP does at every batch, not only at the one the search settles on
-    assert [admits(run, machine, b, _analytic(run)) for b in range(1, 48)] == fits
-
-
 def test_nothing_fits_says_why():
     run = _run(_meta(Qwen2Config(**QWEN25_7B)))
     assert largest_batch(run, _machine(2), _analytic(run)) is None  # the weight slots and head alone exceed 2 GiB

@@ -109,6 +109,19 @@ def test_a_mixed_model_gets_a_graph_estimate_per_layer_kind():
     assert prof.graph_bytes == [kinds[t] for t in adapter.layer_types()]
 
 
+def test_largest_batch_is_the_brute_force_largest():
+    run = _six()
+    # 1.5 GiB of head working set, then ~55 MiB per sequence of one layer's working set and 1 MiB per boundary
+    machine = Machine(replace(H200, memory_bytes=2 * GIB), GIB // 2)
+    best = largest_batch(run, machine, _analytic(run))
+    fits = [forecast(run, machine, b, _analytic(run)).fits_gpu for b in range(1, 48)]
+    brute = max(b for b, ok in zip(range(1, 48), fits) if ok)
+    assert 10 < brute < 40
+    assert best.batch == brute and best.fits_gpu
+    # the cheap test answers as the MILP does at every batch, not only at the one the search settles on
+    assert [admits(run, machine, b, _analytic(run)) for b in range(1, 48)] == fits
+
+
 @pytest.mark.parametrize("memory_gib", [1.8, 2.0, 2.5])
 def test_every_admitted_batch_has_a_plan_within_the_device_total(memory_gib):
     run = _six()
