@@ -4,8 +4,8 @@ Run (pin it to two cores, as the target says):
 ``taskset -c 0,1 python benchmarks/milp_solve_2core.py [--out benchmarks/results/milp_solve_2core.json]``
 
 The problem is what ``planner.solve_plan`` builds on the CPU, for the Qwen3.6-27B shape (``NAMED_SHAPES``) built
-on the meta device: `analytic_profile` for the H200 (times from FLOPs, the published link figures) with the
-per-layer graph and working-set bytes of `analytic_layer_memory` (what `profile_model` gives off CUDA), every
+on the meta device: `analytic_profile` for the H200 (times from FLOPs, the published link figures, and
+the per-layer graph and working-set bytes `profile_model` gives off CUDA), built by `plan_problem`, every
 option that enlarges it on: per-layer kept graphs (two binaries per layer: the whole graph, or the graph with
 the MLP re-run), the device total with slots and each
 block's working set, ``max_recompute_span`` 4 (the strategy's default) and 8, and both transfer models (the paper's
@@ -29,15 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from lightning_lazytrain.engine.loss import LOSS_CHUNK_BYTES  # noqa: E402
 from lightning_lazytrain.models.adapter import adapter_for  # noqa: E402
-from lightning_lazytrain.schedule import build_problem, solve  # noqa: E402
+from lightning_lazytrain.schedule import solve  # noqa: E402
 from lightning_lazytrain.schedule.analytic import analytic_profile, gpu_layout  # noqa: E402
 from lightning_lazytrain.schedule.gpus import gpu_spec  # noqa: E402
-from lightning_lazytrain.schedule.layer_memory import (  # noqa: E402
-    analytic_layer_memory,
-    analytic_mlp_recompute_graph,
-)
 from lightning_lazytrain.schedule.milp_updates import UpdateProblem, solve_updates  # noqa: E402
+from lightning_lazytrain.schedule.plan_problem import plan_problem, plan_total_bytes  # noqa: E402
 from lightning_lazytrain.sft.plan_model import _named, meta_model  # noqa: E402
 from lightning_lazytrain.units import GIB  # noqa: E402
 
@@ -54,24 +52,14 @@ CPU_UPDATE_PARAMS_PER_S = 4.0e9  # HybridAdamW on the 16-core H200 host (optim_c
 
 
 def problem_for(adapter, batch: int, cap_gib: float, cpu_gib: float, nvme_gib: float, span: int):
-    """The planner's problem on a GPU of ``cap_gib`` (less the resident embeddings/head and a 5% margin)."""
+    """The planner's problem on a GPU of ``cap_gib``, less the resident embeddings/head three times (the device
+    copy, its gradient and the embedding's dense gradient; the strategy counts the copy only) and the margin."""
     profile = analytic_profile(adapter, batch, SEQ, gpu_spec("h200"))
-    config, tokens = adapter.model.config, batch * SEQ
-    types = adapter.layer_types()
-    memory = [analytic_layer_memory(config, types[j], tokens, 2, profile.param_bytes[j])
-              for j in range(adapter.num_layers)]
-    profile.graph_bytes, profile.working_bytes = [g for g, _ in memory], [w for _, w in memory]
-    # the MLP re-run choice (a second binary per layer): its graph, and the MLP's share of the layer's FLOPs
-    rate = profile.info["achieved_tflops"] * 1e12
-    profile.mlp_graph_bytes = [analytic_mlp_recompute_graph(config, t, tokens, 2) for t in types]
-    profile.mlp_seconds = [2.0 * sum(p.numel() for p in layer.mlp.parameters()) * tokens / rate
-                           for layer in adapter.layers]
-    layout = gpu_layout(adapter, batch, SEQ)
-    total = int(0.95 * (cap_gib * GIB - layout.resident_bytes))
-    head = 3 * (1 << 29) + 2 * profile.activation_bytes[-1]  # planner.solve_plan's head working set
-    return build_problem(profile, total, int(cpu_gib * GIB), int(nvme_gib * GIB), max_recompute_span=span,
-                         gpu_total_bytes=total, slot_bytes=layout.slot_bytes, fixed_slots=2,
-                         head_working_bytes=head)
+    layout = gpu_layout(adapter)
+    total = plan_total_bytes(int(cap_gib * GIB) - 3 * layout.resident_copy_bytes)
+    return plan_problem(profile, total, int(cpu_gib * GIB), int(nvme_gib * GIB), total_bytes=total,
+                        slot_bytes=layout.slot_bytes, prefetch_depth=2, loss_chunk_bytes=LOSS_CHUNK_BYTES,
+                        max_recompute_span=span, keep_graph_layers=0)
 
 
 def update_problem(adapter, batch: int) -> UpdateProblem:

@@ -48,7 +48,7 @@ def _points(measured: dict, extra: list[str]) -> list[tuple[str, float, int, dic
 
 def _forecast(model: str, cap: float, batch: int, measured_profile: bool) -> dict:
     config, _ = model_config(None, model)
-    run = RunSpec(adapter_for(meta_model(config)), SEQ, optimizer_state_bytes_per_param=STATE_BYTES)
+    run = RunSpec(adapter_for(meta_model(config)), SEQ, optimizer_state_bytes_per_param=STATE_BYTES, schedule="milp")
     gpu = GPUS["h200"] if not cap else replace(GPUS["h200"], memory_bytes=int(cap * GIB))
     machine = Machine(gpu, 120 * GIB, update_params_per_s=UPDATE_RATE)
     if measured_profile:
@@ -64,6 +64,8 @@ def _forecast(model: str, cap: float, batch: int, measured_profile: bool) -> dic
         "model_tflops": f.model_tflops,
         "gpu_need_gib": f.report.tiers["gpu"].need / GIB,
         "plan": f.schedule.counts() if f.schedule else None,
+        "kept_graphs": f.schedule.graph_layers if f.schedule else None,
+        "mlp_reruns": sum(f.schedule.mlp_recompute) if f.schedule else None,
         "scaling": f.scaling,
         "notes": f.notes,
     }
@@ -114,18 +116,20 @@ def main() -> None:
     tmp.replace(args.out)
     print(
         "| model | cap GiB | batch | measured step s / TFLOPS / GPU GiB | analytic step s / TFLOPS / GPU GiB "
-        "| measured-profile step s / TFLOPS | plan (gpu/cpu/nvme/recompute) |"
+        "| measured-profile step s / TFLOPS | plan (gpu/cpu/nvme/recompute) | graphs kept (MLP re-run) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         m, a, p = r["measured"] or {}, r["analytic"], r["measured_profile"] or {}
-        plan = p.get("plan") or a["plan"] or {}
+        shown = p if p.get("plan") else a
+        plan = shown["plan"] or {}
         print(
             f"| {r['model']} | {r['cap_gib']:g} | {r['batch']} | {_cell(m.get('step_s'), '.2f')} / "
             f"{_cell(m.get('model_tflops'), '.1f')} / {_cell(m.get('gpu_peak_gib'), '.1f')} | "
             f"{_cell(a['step_s'], '.2f')} / {a['model_tflops']:.1f} / {a['gpu_need_gib']:.1f} | "
             f"{_cell(p.get('step_s'), '.2f')} / {_cell(p.get('model_tflops'), '.1f')} | "
-            f"{'/'.join(str(plan.get(t, 0)) for t in ('gpu', 'cpu', 'nvme', 'recompute'))} |"
+            f"{'/'.join(str(plan.get(t, 0)) for t in ('gpu', 'cpu', 'nvme', 'recompute'))} | "
+            f"{_cell(shown['kept_graphs'], 'd')} ({_cell(shown['mlp_reruns'], 'd')}) |"
         )
 
 

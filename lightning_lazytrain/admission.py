@@ -122,6 +122,8 @@ def admission_report(
     gpu_resident_bytes: int = 0,
     gpu_workspace_bytes: int = 0,
     gpu_activation_bytes: int = 0,
+    gpu_graph_bytes: int = 0,
+    gpu_margin_bytes: int = 0,
     disk_bytes: int = 0,
     ranks_per_host: int = 1,
     world_size: int = 1,
@@ -134,8 +136,9 @@ def admission_report(
         pinned_slot_bytes: host staging buffers beyond the parameter store (e.g. grad bounce buffers).
         cpu_activation_bytes: boundaries the schedule homes in pinned CPU memory.
         host_other_bytes: anything else the caller knows of (dataloader workers, tokenizer, ...).
-        gpu_slot_bytes / gpu_resident_bytes / gpu_workspace_bytes / gpu_activation_bytes: the GPU weight slots,
-            parts kept on the GPU (embeddings, head, norms), peak per-layer workspace, GPU-homed boundaries.
+        gpu_slot_bytes / gpu_resident_bytes / gpu_graph_bytes / gpu_workspace_bytes / gpu_activation_bytes /
+            gpu_margin_bytes: the GPU weight slots, parts kept on the GPU (embeddings, head, norms), graphs kept to
+            the backward, peak workspace, GPU-homed boundaries, room left for the allocator's rounding.
         disk_bytes: NVMe-homed boundaries in the spill dir.
         ranks_per_host / world_size: several processes (``world_size > 1``) count one host: the streamed copy
             once (it is shared), masters / gradients / states as the host's ``ranks_per_host / world_size`` share.
@@ -157,8 +160,9 @@ def admission_report(
         if b:
             host.pieces[piece] = int(b)
     gpu = TierUsage("GPU", int(gpu_have_bytes), {k: int(v) for k, v in (
-        ("weight slots", gpu_slot_bytes), ("resident parts", gpu_resident_bytes),
-        ("workspace", gpu_workspace_bytes), ("GPU activations", gpu_activation_bytes)) if v})
+        ("weight slots", gpu_slot_bytes), ("resident parts", gpu_resident_bytes), ("kept graphs", gpu_graph_bytes),
+        ("workspace", gpu_workspace_bytes), ("GPU activations", gpu_activation_bytes),
+        ("allocator margin", gpu_margin_bytes)) if v})
     disk = TierUsage("disk", int(disk_have_bytes), {"NVMe activations": int(disk_bytes)} if disk_bytes else {})
     settings = {"trainable_params": trainable, "frozen_params": frozen, "precision": precision,
                 "optimizer_state_bytes_per_param": optimizer_state_bytes_per_param,
@@ -224,6 +228,9 @@ def _suggest(r: AdmissionReport, per: dict[str, float], trainable: int, disk_fre
         if act:
             out.append(f"smaller batch, or a plan with fewer GPU-homed boundaries (more CPU/NVMe/recompute): frees up "
                        f"to {act / GIB:.2f} GiB" + (" (enough)" if act >= gpu.short else ""))
+        if graphs := gpu.pieces.get("kept graphs", 0):
+            out.append(f"fewer kept graphs (keep_graph_layers, or the plan's keep_graph): frees up to "
+                       f"{graphs / GIB:.2f} GiB" + (" (enough)" if graphs >= gpu.short else ""))
         ws = gpu.pieces.get("workspace", 0)
         if ws:
             out.append(f"smaller batch or sequence (workspace {ws / GIB:.2f} GiB scales with tokens)")

@@ -16,7 +16,8 @@ import psutil
 
 from lightning_lazytrain.engine import Schedule, StreamingExecutor
 from lightning_lazytrain.engine.device import device_free_bytes
-from lightning_lazytrain.schedule import Profile, build_problem, profile_model, solve
+from lightning_lazytrain.schedule import Profile, profile_model, solve
+from lightning_lazytrain.schedule.plan_problem import plan_problem, plan_total_bytes
 from lightning_lazytrain.units import GIB
 
 log = logging.getLogger(__name__)
@@ -80,34 +81,27 @@ def solve_plan(settings: PlanSettings, executor: StreamingExecutor, batch: int, 
             profile = profile_model(executor.adapter, batch, seq, executor.device, executor.store.stream_dtype,
                                     spill_dir=settings.spill_dir)
     gpu, cpu, nvme = budgets(settings, executor)
-    n, forced = executor.adapter.num_layers, settings.keep_graph_layers
-    if forced > n:
-        raise ValueError(f"keep_graph_layers={forced} is more than the model's {n} layers")
-    slot_bytes = executor.slot_numel * executor.store.stream_dtype.itemsize
-    total = gpu_total_bytes(executor)
-    # the head's working set: a logits chunk, its gradient and softmax, the hidden state and its gradient
-    head = 3 * executor.loss_chunk_bytes + 2 * profile.activation_bytes[-1]
-    problem = build_problem(profile, gpu if total is None else min(gpu, total), cpu, nvme,
-                            max_recompute_span=settings.max_recompute_span,
-                            keep_graph_layers=list(range(n - forced, n)), gpu_total_bytes=total,
-                            slot_bytes=slot_bytes, fixed_slots=max(1, executor.prefetch_depth),
-                            head_working_bytes=head)
+    problem = plan_problem(profile, gpu, cpu, nvme, total_bytes=gpu_total_bytes(executor),
+                           slot_bytes=executor.slot_numel * executor.store.stream_dtype.itemsize,
+                           prefetch_depth=executor.prefetch_depth, loss_chunk_bytes=executor.loss_chunk_bytes,
+                           max_recompute_span=settings.max_recompute_span,
+                           keep_graph_layers=settings.keep_graph_layers)
     schedule = solve(problem, time_limit=settings.solver_time_limit, mip_gap=settings.solver_mip_gap)
     schedule.profile = profile  # what it was solved for: a re-plan starts from it
     log.info("lazytrain plan: %s, predicted exposed %.3f s", schedule.counts(), schedule.predicted_exposed_seconds)
     return schedule
 
 
-def gpu_total_bytes(executor: StreamingExecutor, margin: float = 0.95) -> int | None:
+def gpu_total_bytes(executor: StreamingExecutor) -> int | None:
     """Device bytes the whole plan may use (its slots, saved boundaries, graphs and working set): what is free now
-    plus the slot pool it replaces, less what device-side updates hold; a 5% margin for allocator rounding and
-    fragmentation. ``None`` off CUDA, where no device memory limits the plan."""
+    plus the slot pool it replaces, less what device-side updates hold, less the allocator's margin
+    (`plan_total_bytes`). ``None`` off CUDA, where no device memory limits the plan."""
     if executor.device.type != "cuda":
         return None
     # no pool after a failed step was discarded (the OOM ladder re-plans then): its memory is already free
     slots = len(executor.pool.slots) if executor.pool is not None else 0
     pool = slots * executor.slot_numel * executor.store.stream_dtype.itemsize
-    return int(max(0, device_free_bytes(executor.device) + pool - executor.device_update_reserve_bytes) * margin)
+    return plan_total_bytes(device_free_bytes(executor.device) + pool - executor.device_update_reserve_bytes)
 
 
 def budgets(settings: PlanSettings, executor: StreamingExecutor) -> tuple[int, int, int]:

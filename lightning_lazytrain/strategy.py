@@ -63,7 +63,8 @@ class LazyTrainStrategy(CheckpointingStrategy):
             on the GPU, ``"staged"`` copied in and out per update, ``"auto"`` resident on CUDA as far as they fit.
         timeout_s: longest wait for any transfer before an error names it.
         gpu_activation_gib / cpu_activation_gib / nvme_activation_gib: activation budgets for the MILP (default:
-            half the free GPU memory, a quarter of the available host RAM, 80% of the spill dir's free space).
+            the device memory the plan may use, a quarter of the available host RAM, 80% of the spill dir's free
+            space); the MILP also fits its slots, kept graphs and working sets into that device memory.
         spill_dir: directory for NVMe activation homes (files are removed at teardown and after a crash).
         checkpoint_io: default ``AtomicCheckpointIO`` (atomic saves, verified loads; see docs/reliability.md).
         solver_time_limit / solver_mip_gap: HiGHS limits for the MILP.

@@ -62,3 +62,13 @@ def test_suggestion_marks_enough():
     combo = [s for s in r.suggestions if s.startswith("bf16-true + 8-bit")]
     assert combo and "(enough)" in combo[0]
     assert all("(enough)" not in s for s in r.suggestions if s.startswith("8-bit"))
+
+
+def test_kept_graphs_and_the_margin_are_gpu_pieces():
+    r = _report(1_000_000, gpu_graph_bytes=30 * GIB, gpu_margin_bytes=4 * GIB, gpu_activation_bytes=50 * GIB)
+    gpu = r.tiers["gpu"]
+    assert gpu.pieces == {"kept graphs": 30 * GIB, "GPU activations": 50 * GIB, "allocator margin": 4 * GIB}
+    assert gpu.short == 84 * GIB - 80 * GIB
+    assert "fewer kept graphs (keep_graph_layers, or the plan's keep_graph): frees up to 30.00 GiB (enough)" in (
+        r.suggestions
+    )

@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3_5TextConfig
 from lightning_lazytrain.engine import Schedule
 from lightning_lazytrain.models.adapter import adapter_for
 from lightning_lazytrain.schedule.analytic import ACHIEVED_FRACTION, analytic_profile, gpu_layout, scale_profile
-from lightning_lazytrain.schedule.forecast import MAX_BATCH, Machine, RunSpec, admits, forecast, largest_batch
+from lightning_lazytrain.schedule.batch_search import MAX_BATCH, admits, largest_batch
+from lightning_lazytrain.schedule.forecast import Machine, RunSpec, forecast
 from lightning_lazytrain.schedule.gpus import GPUS, gpu_spec, spec_for_device
 from lightning_lazytrain.schedule.profile import Profile
 from lightning_lazytrain.schedule.step_time import predict_step
@@ -116,14 +117,13 @@ def test_analytic_profile_is_flops_over_the_achieved_rate_and_meta_equals_real()
     assert scaled.h2d_bytes_per_s == GPUS["a100-80gb"].h2d_bytes_per_s and "x 3.170" in scaled.info["scaling"]
 
 
-def test_gpu_layout_counts_slot_resident_and_working_set_by_hand():
+def test_gpu_layout_counts_slot_and_resident_copy_by_hand():
     adapter = _meta(Qwen2Config(**QWEN25_7B))
-    layout = gpu_layout(adapter, 64, 1024)
+    layout = gpu_layout(adapter)
     h, inter, vocab = 3584, 18944, 152064
     layer = (h * h + h) + 2 * (h * 512 + 512) + h * h + 3 * h * inter + 2 * h
     assert layout.slot_bytes == 2 * layer
-    assert layout.resident_bytes == 3 * 2 * (2 * vocab * h + h)  # embeddings + head + final norm, three times
-    assert layout.workspace_bytes == 64 * 1024 * (8 * h + 6 * inter) * 2 + 2 * (1 << 29)
+    assert layout.resident_copy_bytes == 2 * (2 * vocab * h + h)  # embeddings + head + final norm, once, in bf16
 
 
 def test_step_prediction_sums_the_phases_by_hand():
@@ -152,21 +152,29 @@ def test_step_prediction_sums_the_phases_by_hand():
     kept = Schedule.every(2, 1)
     kept.keep_graph = [False, True]
     assert predict_step(prof, kept, 0.0).backward_s == pytest.approx(0.3 + max(2 * 0.01, 0.1))
+    # layer 0 keeps its graph but re-runs its MLP (0.04 s): backward 2 x 0.1 + 0.04, no second weight copy
+    partial = Schedule(["gpu"] * 3, keep_graph=[True, False], mlp_recompute=[True, False])
+    with_mlp = replace(prof, mlp_graph_bytes=[1, 1], mlp_seconds=[0.04, 0.004])
+    assert predict_step(with_mlp, partial, 0.0).backward_s == pytest.approx(0.2 + 0.04 + max(3 * 0.01, 0.05, 0.1))
 
 
-def test_7b_on_an_80_gib_h200_matches_the_measured_plan_and_step():
-    """Issue 16 / REFERENCE.md: 7B, 80 GiB cap, batch 64 ran an all-GPU plan at 7.67 s/step, 400.7 model-TFLOPS."""
+def test_7b_on_an_80_gib_h200_steps_as_measured():
+    """Issue 16 / REFERENCE.md: 7B, 80 GiB cap, batch 64 ran an all-GPU plan at 7.67 s/step, 400.7 model-TFLOPS.
+
+    That run planned before the MILP could keep graphs; the forecast plans as the strategy does now, keeping the
+    graphs of some layers (no re-forward in their backward) and still recomputing none."""
     run = _run(_meta(Qwen2Config(**QWEN25_7B)))
     assert run.trainable_params == pytest.approx(7.61e9, rel=0.01)  # Qwen2.5-7B's published 7.61 B
     t0 = time.perf_counter()
     f = forecast(run, _machine(80), 64, _analytic(run))
     assert time.perf_counter() - t0 < 20  # a solve is capped at solver_time_limit=10 s
-    assert f.fits and f.schedule.counts()["gpu"] == 29 and f.schedule.recomputed_layers() == 0
+    assert f.fits and f.schedule.recomputed_layers() == 0 and sum(f.schedule.keep_graph) >= 1
     assert f.prediction.step_s == pytest.approx(7.67, rel=0.15)
     assert f.model_tflops == pytest.approx(400.7, rel=0.15)
-    # the paper's batch 144 also ran all-GPU under 80 GiB (75.9 GiB peak, 402.0 model-TFLOPS)
+    # the paper's batch 144 also ran under 80 GiB (75.9 GiB peak, 402.0 model-TFLOPS); the analytic working set
+    # of one layer at that batch is larger than what the run measured, so this plan recomputes some boundaries
     big = forecast(run, _machine(80), 144, _analytic(run))
-    assert big.fits and big.schedule.counts()["gpu"] == 29
+    assert big.fits and big.report.tiers["gpu"].need <= 80 * GIB
     assert big.report.tiers["gpu"].need / GIB == pytest.approx(75.9, rel=0.1)
     assert big.model_tflops == pytest.approx(402.0, rel=0.15)
 
@@ -189,23 +197,6 @@ def test_14b_and_27b_meta_shapes_plan_with_cpu_homes_when_the_gpu_is_small(shape
     counts = f.schedule.counts()
     assert counts["gpu"] < layers + 1 and counts["cpu"] + counts["recompute"] > 0
     assert f.report.tiers["host"].pieces["CPU activations"] == counts["cpu"] * batch * 1024 * config.hidden_size * 2
-
-
-def test_largest_batch_is_the_brute_force_largest():
-    config = Qwen2Config(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    run = _run(_meta(config), seq=512)
-    machine = _machine(1.03, host_gib=0.5)  # 1 GiB of loss chunks, the rest for ~20 sequences
-    best = largest_batch(run, machine, _analytic(run))
-    brute = max(b for b in range(1, 48) if forecast(run, machine, b, _analytic(run)).fits_gpu)
-    assert 10 < brute < 40
-    assert best.batch == brute and best.fits_gpu and not admits(run, machine, brute + 1)
 
 
 def test_nothing_fits_says_why():
@@ -279,13 +270,19 @@ def test_an_interval_plan_is_the_one_the_engine_would_run():
     # re-forwards of the 3 inner layers of each 4-layer block, as the MILP would charge them
     prof, blocks = _analytic(run)(16), f.schedule.blocks()
     assert f.prediction.exposed_s == pytest.approx(sum(sum(prof.forward_seconds[s : e - 1]) for s, e in blocks))
-    assert f.report.tiers["gpu"].pieces["weight slots"] == engine.slots_needed(2) * prof.param_bytes[0]
+    # the two kept graphs hold their graph bytes and a slot each beside the two prefetch slots; the largest block
+    # peaks at its 4 slots, its 3 rebuilt boundaries and one layer's working set (the head's 1.5 GiB is less)
+    gpu = f.report.tiers["gpu"].pieces
+    assert gpu["weight slots"] == (2 + 2) * prof.param_bytes[0]
+    assert gpu["kept graphs"] == 2 * prof.graph_bytes[0] > 0
+    assert gpu["workspace"] == 4 * prof.param_bytes[0] + 3 * prof.activation_bytes[0] + prof.working_bytes[0]
+    assert gpu["GPU activations"] == (28 // 4 + 1 + 2) * prof.activation_bytes[0]  # 0, 4, ..., 28 and 26, 27
 
 
 def test_the_batch_search_stops_at_its_cap():
     run = _run(_meta(tiny_config("qwen2")), seq=8, schedule="interval:1")
     best = largest_batch(run, _machine(), _analytic(run))
-    assert best.batch == MAX_BATCH and best.fits_gpu and admits(run, _machine(), MAX_BATCH + 1)
+    assert best.batch == MAX_BATCH and best.fits_gpu and admits(run, _machine(), MAX_BATCH + 1, _analytic(run))
 
 
 def test_checkpoints_need_their_disk():

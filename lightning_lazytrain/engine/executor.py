@@ -18,6 +18,7 @@ from torch import nn
 from lightning_lazytrain.engine.activations.homes import ActivationHomes
 from lightning_lazytrain.engine.device import DeviceQueues, device_free_bytes
 from lightning_lazytrain.engine.hooks import ModelHooks
+from lightning_lazytrain.engine.loss import LOSS_CHUNK_BYTES
 from lightning_lazytrain.engine.plan import Schedule
 from lightning_lazytrain.engine.stack import LayerCall, StackContext, StackRun, StreamedStack
 from lightning_lazytrain.engine.updates.paths import UpdatePath
@@ -44,7 +45,7 @@ class StreamingExecutor:
         prefetch_depth: int = 2,
         pin_memory: bool = True,
         timeout_s: float = 600.0,
-        loss_chunk_bytes: int = 1 << 29,
+        loss_chunk_bytes: int = LOSS_CHUNK_BYTES,
         spill_dir: str | None = None,
         store_factory: Callable[..., HostParamStore] = HostParamStore,
     ) -> None:

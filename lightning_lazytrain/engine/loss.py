@@ -12,6 +12,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 IGNORE_INDEX = -100
+LOSS_CHUNK_BYTES = 1 << 29  # the executor's default: fp32 logits of at most this many bytes per chunk
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):

@@ -1,4 +1,4 @@
-"""A `Profile` and a GPU working set from the model's shapes alone, for a GPU that is not here.
+"""A `Profile` and the device's fixed parts from the model's shapes alone, for a GPU that is not here.
 
 Per-layer time is the layer's forward FLOPs (2 x parameters x tokens + the attention's token mixing) over an
 achieved rate, ``ACHIEVED_FRACTION`` of the GPU's published dense bf16 peak. The fraction is what the H200 reached
@@ -6,23 +6,25 @@ in a streamed step: Qwen2.5-7B shape, batch 64 x 1024, 80 GiB cap, 6.40 s of GPU
 for 3.68e15 executed FLOPs = 575 TFLOP/s of 989 (benchmarks/results/h200.json, commit a0fe04b). Smaller matmuls
 reach less of the peak, so at small batches the prediction is optimistic.
 
-The working set counts what the engine holds on the GPU besides the saved boundaries; see `gpu_layout`.
+Per-layer graph, working-set and MLP-re-run bytes are the estimates `profile_model` uses off CUDA
+(`layer_memory.analytic_layer_estimates`), the MLP's seconds at the same achieved rate; so the MILP can keep graphs
+and re-run MLPs here as it does in the run. `gpu_layout` gives the weight slot and the resident parts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
 from lightning_lazytrain.models.adapter import ModelAdapter
 
 from .gpus import GpuSpec
-from .profile import SOURCE_KEYS, Profile, _attention_flops, _unique_numel
+from .layer_memory import analytic_layer_estimates, unique_numel
+from .profile import SOURCE_KEYS, Profile, _attention_flops
 
 ACHIEVED_FRACTION = 0.58
 DISK_READ, DISK_WRITE = 1.28e9, 0.51e9  # REFERENCE.md: the H200 machine's disk (no spill dir to measure)
-LOSS_CHUNK_BYTES = 1 << 29  # the executor's default loss chunk: fp32 logits of this many bytes, and their grad
 
 
 def model_flops_per_step(num_params: int, num_layers: int, hidden: int, batch: int, seq: int) -> float:
@@ -46,7 +48,7 @@ def analytic_profile(
     itemsize = stream_dtype.itemsize
     tokens, types = batch * seq, adapter.layer_types()
     rate = gpu.bf16_tflops * 1e12 * achieved_fraction
-    numel = [_unique_numel(layer) for layer in adapter.layers]
+    numel = [unique_numel(layer) for layer in adapter.layers]
     forward = [
         (2.0 * numel[j] * tokens + _attention_flops(config, types[j], batch, seq)) / rate
         for j in range(adapter.num_layers)
@@ -75,6 +77,7 @@ def analytic_profile(
         seq=seq,
         dtype=str(stream_dtype).replace("torch.", ""),
         layer_types=types,
+        **asdict(analytic_layer_estimates(adapter, tokens, itemsize, rate)),
         info={"scaling": scaling, "achieved_tflops": rate / 1e12},
     )
 
@@ -90,6 +93,7 @@ def scale_profile(profile: Profile, measured_tflops: float, gpu: GpuSpec) -> Pro
     return replace(
         profile,
         forward_seconds=[f * ratio for f in profile.forward_seconds],
+        mlp_seconds=[f * ratio for f in profile.mlp_seconds],
         head_seconds=profile.head_seconds * ratio,
         h2d_bytes_per_s=gpu.h2d_bytes_per_s,
         d2h_bytes_per_s=gpu.d2h_bytes_per_s,
@@ -102,35 +106,21 @@ def scale_profile(profile: Profile, measured_tflops: float, gpu: GpuSpec) -> Pro
 
 @dataclass(frozen=True)
 class GpuLayout:
-    """GPU bytes a run holds besides the saved boundaries, for one batch shape.
+    """A weight slot's bytes (the plan counts its slots) and the resident parts the device holds outside the plan.
 
-    ``slot_bytes``: one weight slot (the largest layer in the stream dtype). ``resident_bytes``: embeddings, final
-    norm and head three times: the device copy and its gradient (what admission counts) and the dense gradient
-    the embedding's backward builds before it is accumulated.
-    ``workspace_bytes``: one layer's forward-with-grad graph and its backward's transients (per token 8 hidden + 6
-    intermediate values in the stream dtype) plus the loss chunk's fp32 logits and their gradient. An analytic
-    estimate (a run measures its per-layer working set on its GPU, ``layer_memory.py``; this forecast does not use
-    such figures yet); docs/plan.md compares it with measured peaks.
+    ``slot_bytes``: one weight slot (the largest layer in the stream dtype). ``resident_copy_bytes``: the device
+    copy of embeddings, final norm and head in the stream dtype, which the executor allocates at setup, before the
+    planner measures the free memory (`planner.gpu_total_bytes`). Their gradients come later, in the backward, and
+    the plan does not count them (docs/plan.md, "Not modelled").
     """
 
     slot_bytes: int
-    resident_bytes: int
-    workspace_bytes: int
-
-    def fixed_bytes(self, num_slots: int) -> int:
-        return num_slots * self.slot_bytes + self.resident_bytes + self.workspace_bytes
+    resident_copy_bytes: int
 
 
-def gpu_layout(adapter: ModelAdapter, batch: int, seq: int, stream_dtype: torch.dtype = torch.bfloat16) -> GpuLayout:
-    config = adapter.model.config
+def gpu_layout(adapter: ModelAdapter, stream_dtype: torch.dtype = torch.bfloat16) -> GpuLayout:
     itemsize = stream_dtype.itemsize
-    slot = max(_unique_numel(layer) for layer in adapter.layers) * itemsize
+    slot = max(unique_numel(layer) for layer in adapter.layers) * itemsize
     layer_ids = {id(p) for layer in adapter.layers for p in layer.parameters()}
     resident = sum(p.numel() for p in {id(p): p for p in adapter.model.parameters()}.values() if id(p) not in layer_ids)
-    h, inter = config.hidden_size, getattr(config, "intermediate_size", 4 * config.hidden_size)
-    per_token = (8 * h + 6 * inter) * itemsize
-    return GpuLayout(
-        slot_bytes=slot,
-        resident_bytes=3 * resident * itemsize,
-        workspace_bytes=per_token * batch * seq + 2 * LOSS_CHUNK_BYTES,
-    )
+    return GpuLayout(slot_bytes=slot, resident_copy_bytes=resident * itemsize)

@@ -20,7 +20,7 @@ or ``n_params * grad_bytes_per_param`` when that is given.
 GPU memory: the profile's per-layer graph and working-set bytes, and the graph bytes and MLP seconds of a kept graph
 whose MLP re-runs, go to the problem (``keep_graphs=False`` offers no kept graphs of either kind);
 ``gpu_total_bytes``, ``slot_bytes``, ``fixed_slots`` and ``head_working_bytes`` are the device's side,
-which the caller knows (`lightning_lazytrain.planner`).
+which the caller knows (`plan_problem.py` sets them for the run and the forecast).
 
 Link: forward offloads run beside weight prefetches and backward reloads beside gradient copies, so both
 directions are busy together. With ``duplex=True`` (default) each direction gets

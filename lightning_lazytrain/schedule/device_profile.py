@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM
 
 from lightning_lazytrain.models.adapter import ModelAdapter, adapter_for
 
-from .profile import Profile, _unique_numel, profile_model
+from .layer_memory import unique_numel
+from .profile import Profile, profile_model
 
 MEASURED_TOKENS = 16384
 
@@ -60,7 +61,7 @@ def measured_profile(
         forward_seconds=[per_kind[t] for t in types],
         head_seconds=measured.head_seconds * ratio,
         activation_bytes=[act] * (adapter.num_layers + 1),
-        param_bytes=[_unique_numel(layer) * itemsize for layer in adapter.layers],
+        param_bytes=[unique_numel(layer) * itemsize for layer in adapter.layers],
         layer_types=types,
         graph_bytes=[memory[t][0] for t in types],
         working_bytes=[memory[t][1] for t in types],

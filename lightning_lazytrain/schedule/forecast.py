@@ -1,10 +1,12 @@
 """Will a run fit, and how fast will it step? Admission, the plan and a step time for one batch, before any load.
 
-Everything here reads shapes only, so the model can live on the meta device. Budgets follow what the strategy
-does at its first batch (`lightning_lazytrain.planner.budgets`): the user's figures, else half the GPU memory
-left after weight slots and resident parts, a quarter of the host RAM left after the run's own pieces, and 80%
-of the spill dir's free space. The GPU budget is lowered further where the working set would not fit beside it,
-and the forecast says which setting makes the run do the same.
+Everything here reads shapes only, so the model can live on the meta device. The plan is the one the strategy
+solves at its first batch (`lightning_lazytrain.planner.solve_plan`), built by the same `plan_problem`: the device
+memory the plan may use is the GPU's less the resident embedding/head copy the executor holds when the planner
+measures what is free, less the same margin (`gpu_total_bytes`); the MILP takes the weight slots, kept graphs,
+MLP re-runs and the per-layer working set of the profile out of it. The other budgets are the user's figures,
+else a quarter of the host RAM left after the run's own pieces and 80% of the spill dir's free space. The GPU tier
+of the report is that memory model, piece by piece, so it fits exactly when the MILP's device row holds.
 """
 
 from __future__ import annotations
@@ -16,19 +18,19 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_lazytrain.admission import AdmissionReport, admission_report
+from lightning_lazytrain.engine.loss import LOSS_CHUNK_BYTES
 from lightning_lazytrain.engine.plan import Schedule
 from lightning_lazytrain.models.adapter import ModelAdapter
 
-from .analytic import analytic_profile, gpu_layout, model_flops_per_step
-from .build import build_problem
+from .analytic import gpu_layout, model_flops_per_step
 from .disk import checkpoint_tier
-from .gpus import GPUS, GpuSpec
-from .milp import InfeasibleScheduleError, precheck, solve
-from .problem import GIB
+from .gpus import GpuSpec
+from .milp import solve
+from .milp_memory import plan_gpu_pieces
+from .plan_problem import plan_problem, plan_total_bytes
+from .problem import GIB, ScheduleProblem
 from .profile import Profile
 from .step_time import StepPrediction, predict_step
-
-MAX_BATCH = 1 << 14
 
 
 @dataclass
@@ -129,32 +131,18 @@ def _host_report(run: RunSpec, machine: Machine, cpu_act: int = 0, disk: int = 0
     )
 
 
-def budgets(run: RunSpec, machine: Machine, batch: int) -> tuple[int, int, int, list[str]]:
-    """(gpu, cpu, nvme) activation budgets in bytes for ``batch``, and notes on how they were chosen."""
-    layout = gpu_layout(run.adapter, batch, run.seq, run.stream_dtype)
-    first_slots = run.keep_graph_layers + 1 + max(1, run.prefetch_depth)  # the strategy's plan before the MILP
-    free = machine.gpu.memory_bytes - first_slots * layout.slot_bytes - layout.resident_bytes
-    notes = []
-    if run.gpu_activation_gib is not None:
-        gpu = int(run.gpu_activation_gib * GIB)
-    else:
-        gpu = max(0, free // 2)
-        worst_slots = run.keep_graph_layers + run.max_recompute_span + max(1, run.prefetch_depth)
-        room = max(0, machine.gpu.memory_bytes - layout.fixed_bytes(worst_slots))
-        itemsize = run.stream_dtype.itemsize
-        every_boundary = (
-            (run.adapter.num_layers + 1) * batch * run.seq * run.adapter.model.config.hidden_size * itemsize
-        )
-        if room < min(gpu, every_boundary):  # the default budget would put more on the GPU than the room left
-            # the run itself sizes the boundaries from the measured working set (planner.gpu_total_bytes), so
-            # the budget is only advice for a user who wants this plan's
-            notes.append(
-                f"half the free GPU memory ({gpu / GIB:.2f} GiB) for boundaries would leave the estimated working "
-                f"set too little, so this plan saves {room / GIB:.2f} GiB of them; the run sizes them itself from "
-                f"the measured working set (to pin this budget: --trainer.strategy.init_args.gpu_activation_gib "
-                f"{room / GIB:.2f})"
-            )
-            gpu = room
+def gpu_total_bytes(run: RunSpec, machine: Machine) -> int:
+    """Device bytes the strategy's plan may use on ``machine`` (`planner.gpu_total_bytes` at the first batch): the
+    GPU's memory less the executor's resident embedding/norm/head copy, the one piece it holds outside the plan
+    when the free memory is measured (its slot pool is added back), less the allocator's margin."""
+    return plan_total_bytes(machine.gpu.memory_bytes - gpu_layout(run.adapter, run.stream_dtype).resident_copy_bytes)
+
+
+def budgets(run: RunSpec, machine: Machine) -> tuple[int, int, int]:
+    """(gpu, cpu, nvme) activation budgets in bytes, as `planner.budgets` sets them: the user's figures, else the
+    device memory the plan may use, a quarter of the host RAM left after the run's own pieces and 80% of the
+    spill dir's free space."""
+    gpu = int(run.gpu_activation_gib * GIB) if run.gpu_activation_gib is not None else gpu_total_bytes(run, machine)
     host_need = _host_report(run, machine).tiers["host"].need
     cpu = (
         int(run.cpu_activation_gib * GIB)
@@ -167,88 +155,70 @@ def budgets(run: RunSpec, machine: Machine, batch: int) -> tuple[int, int, int, 
         nvme = int(run.nvme_activation_gib * GIB)
     else:
         nvme = int(machine.disk_free_bytes * 0.8)
-    return gpu, cpu, nvme, notes
+    return gpu, cpu, nvme
 
 
-def admits(run: RunSpec, machine: Machine, batch: int) -> bool:
-    """The cheap test: the GPU holds its fixed pieces and the two end boundaries, and some plan's boundaries fit
-    the budgets (no solve, no profile). Host RAM does not depend on the batch: the forecast's report says it."""
-    gpu, cpu, nvme, _ = budgets(run, machine, batch)
-    # only the bytes of this profile are read (the pre-check), so any GPU's figures do
-    problem = build_problem(
-        analytic_profile(run.adapter, batch, run.seq, GPUS["h200"], run.stream_dtype),
+def problem_for(run: RunSpec, machine: Machine, profile: Profile) -> ScheduleProblem:
+    """The problem `planner.solve_plan` would build on ``machine`` for ``profile``."""
+    gpu, cpu, nvme = budgets(run, machine)
+    return plan_problem(
+        profile,
         gpu,
         cpu,
         nvme,
+        total_bytes=gpu_total_bytes(run, machine),
+        slot_bytes=gpu_layout(run.adapter, run.stream_dtype).slot_bytes,
+        prefetch_depth=run.prefetch_depth,
+        loss_chunk_bytes=LOSS_CHUNK_BYTES,
         max_recompute_span=run.max_recompute_span,
+        keep_graph_layers=run.keep_graph_layers,
     )
-    ends = problem.activation_bytes[0] + problem.activation_bytes[-1]
-    min_slots = run.keep_graph_layers + 1 + max(1, run.prefetch_depth)
-    if (
-        gpu_layout(run.adapter, batch, run.seq, run.stream_dtype).fixed_bytes(min_slots) + ends
-        > machine.gpu.memory_bytes
-    ):
-        return False
-    try:
-        precheck(problem)
-    except InfeasibleScheduleError:
-        return False
-    return _packs(problem)
 
 
-def _packs(problem) -> bool:  # noqa: ANN001 - a ScheduleProblem
-    """Equal boundaries (every profile here has them) are indivisible: count whole boundaries per home against the
-    fewest interior ones a plan must save (one per ``max_recompute_span`` layers)."""
-    a = problem.activation_bytes
-    if len(set(a)) != 1 or a[0] == 0:
-        return True
-    gpu_room = problem.gpu_budget_bytes - 2 * a[0]
-    whole = sum(max(0, b) // a[0] for b in (gpu_room, problem.cpu_budget_bytes, problem.nvme_budget_bytes))
-    needed = -(-problem.num_layers // problem.max_recompute_span) - 1
-    return whole >= needed
-
-
-def _plan(run: RunSpec, profile: Profile, gpu: int, cpu: int, nvme: int) -> Schedule:
+def plan(run: RunSpec, problem: ScheduleProblem) -> Schedule:
+    """The MILP's plan for ``problem``, or the interval / JSON plan the run names, charged its re-forwards."""
     kind = run.schedule.strip()
-    n = run.adapter.num_layers
-    problem = build_problem(profile, gpu, cpu, nvme, max_recompute_span=run.max_recompute_span)
     if kind == "milp":
         return solve(problem, time_limit=run.solver_time_limit, mip_gap=run.solver_mip_gap)
     if kind.endswith(".json"):
         with open(kind) as f:
             schedule = Schedule.from_json(f.read())
     else:
-        schedule = Schedule.every(n, int(kind.split(":")[1]), run.keep_graph_layers)
+        schedule = Schedule.every(problem.num_layers, int(kind.split(":")[1]), run.keep_graph_layers)
     schedule.predicted_exposed_seconds = sum(problem.recompute_seconds(s, e) for s, e in schedule.blocks())
     return schedule
 
 
+def _gpu_pieces(run: RunSpec, machine: Machine, problem: ScheduleProblem, schedule: Schedule) -> dict[str, int]:
+    """The GPU tier's pieces for ``schedule``: the resident copy, the margin, and what the MILP's device row
+    charges the plan; their sum is at most the GPU's memory exactly when that row holds."""
+    resident = gpu_layout(run.adapter, run.stream_dtype).resident_copy_bytes
+    charged = plan_gpu_pieces(problem, schedule.tiers, schedule.keep_graph, schedule.mlp_recompute)
+    available = max(0, machine.gpu.memory_bytes - resident)
+    return dict(
+        gpu_slot_bytes=charged["slots"],
+        gpu_resident_bytes=resident,
+        gpu_graph_bytes=charged["graphs"],
+        gpu_workspace_bytes=charged["peak"],
+        gpu_activation_bytes=charged["boundaries"],
+        gpu_margin_bytes=available - gpu_total_bytes(run, machine),
+    )
+
+
 def forecast(run: RunSpec, machine: Machine, batch: int, profile_for: Callable[[int], Profile]) -> Forecast:
     """Admission, plan and predicted step for ``batch``; a forecast that does not fit says why in its notes."""
-    gpu, cpu, nvme, notes = budgets(run, machine, batch)
     profile = profile_for(batch)
     scaling = str(profile.info.get("scaling", f"measured on {profile.device_name}"))
     try:
-        schedule = _plan(run, profile, gpu, cpu, nvme)
-    except (InfeasibleScheduleError, RuntimeError) as exc:
-        return Forecast(batch, _host_report(run, machine), scaling=scaling, notes=[*notes, str(exc)])
-    layout = gpu_layout(run.adapter, batch, run.seq, run.stream_dtype)
+        problem = problem_for(run, machine, profile)
+        schedule = plan(run, problem)
+    except (ValueError, RuntimeError) as exc:  # no plan fits (InfeasibleScheduleError), a bad setting, none found
+        return Forecast(batch, _host_report(run, machine), scaling=scaling, notes=[str(exc)])
     sizes = dict.fromkeys(("gpu", "cpu", "nvme", "recompute"), 0)
     for a, tier in zip(profile.activation_bytes, schedule.tiers):
         sizes[tier] += a
-    blocks = max((e - s for s, e in schedule.blocks()), default=1)
-    slots = sum(schedule.keep_graph) + blocks + max(1, run.prefetch_depth)
     report = _host_report(
-        run,
-        machine,
-        cpu_act=sizes["cpu"],
-        disk=sizes["nvme"],
-        gpu=dict(
-            gpu_slot_bytes=slots * layout.slot_bytes,
-            gpu_resident_bytes=layout.resident_bytes,
-            gpu_workspace_bytes=layout.workspace_bytes,
-            gpu_activation_bytes=sizes["gpu"],
-        ),
+        run, machine, cpu_act=sizes["cpu"], disk=sizes["nvme"], gpu=_gpu_pieces(run, machine, problem, schedule)
     )
     if run.checkpoints_kept:
         state = 0.0 if run.checkpoints_weights_only else run.optimizer_state_bytes_per_param
@@ -259,26 +229,4 @@ def forecast(run: RunSpec, machine: Machine, batch: int, profile_for: Callable[[
     prediction = predict_step(profile, schedule, run.trainable_params * share / machine.update_params_per_s)
     config = run.adapter.model.config
     flops = model_flops_per_step(run.trainable_params, run.adapter.num_layers, config.hidden_size, batch, run.seq)
-    return Forecast(batch, report, schedule, prediction, flops / prediction.step_s / 1e12, scaling, notes)
-
-
-def largest_batch(
-    run: RunSpec, machine: Machine, profile_for: Callable[[int], Profile], tries: int = 3
-) -> Forecast | None:
-    """The largest batch the GPU takes: the largest the cheap test admits (doubling, then bisection), confirmed by
-    a full forecast; a batch the MILP cannot pack steps down by one, ``tries`` times at most. None when not even
-    batch 1 is admitted."""
-    if not admits(run, machine, 1):
-        return None
-    low, high = 1, 2  # admits(low); high is the first batch known not to be admitted (or past MAX_BATCH)
-    while high <= MAX_BATCH and admits(run, machine, high):
-        low, high = high, high * 2
-    high = min(high, MAX_BATCH + 1)
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (mid, high) if admits(run, machine, mid) else (low, mid)
-    for batch in range(low, max(0, low - tries), -1):
-        result = forecast(run, machine, batch, profile_for)
-        if result.fits_gpu:
-            return result
-    return result
+    return Forecast(batch, report, schedule, prediction, flops / prediction.step_s / 1e12, scaling)

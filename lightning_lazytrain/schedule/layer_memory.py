@@ -13,9 +13,17 @@ the reference the estimate is tested against.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from lightning_lazytrain.engine.mlp_recompute import checkpointed_mlp
+from lightning_lazytrain.models.adapter import ModelAdapter
+
+
+def unique_numel(module: torch.nn.Module) -> int:
+    """Parameters of ``module``, a tied one counted once."""
+    return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
 
 
 def _mlp_width(config) -> int:
@@ -65,6 +73,32 @@ def analytic_mlp_recompute_graph(config, layer_type: str, tokens: int, itemsize:
     """Graph bytes of one layer whose MLP re-runs in the backward: norms, the token mixer, the hidden states."""
     norms = 2 * 3 * 4 * config.hidden_size  # two RMSNorms: fp32 input, normalized and scaled copies
     return tokens * (norms + itemsize * (3 * config.hidden_size + _mixer_width(config, layer_type)))
+
+
+@dataclass(frozen=True)
+class LayerEstimates:
+    """Per layer, the `Profile` fields of the same names, estimated from the config (no GPU)."""
+
+    graph_bytes: list[int]
+    working_bytes: list[int]
+    mlp_graph_bytes: list[int]
+    mlp_seconds: list[float]
+
+
+def analytic_layer_estimates(adapter: ModelAdapter, tokens: int, itemsize: int, flops_per_s: float) -> LayerEstimates:
+    """Graph, working-set and MLP-re-run bytes of every layer for ``tokens`` tokens, and one MLP forward's seconds
+    at ``flops_per_s``: the MLP's share of the layer's FLOPs is its share of the weights (the attention's mixing
+    aside)."""
+    config, types = adapter.model.config, adapter.layer_types()
+    layers = list(adapter.layers)
+    memory = [analytic_layer_memory(config, types[j], tokens, itemsize, unique_numel(layer) * itemsize)
+              for j, layer in enumerate(layers)]
+    return LayerEstimates(
+        graph_bytes=[graph for graph, _ in memory],
+        working_bytes=[work for _, work in memory],
+        mlp_graph_bytes=[analytic_mlp_recompute_graph(config, t, tokens, itemsize) for t in types],
+        mlp_seconds=[2.0 * unique_numel(layer.mlp) * tokens / flops_per_s for layer in layers],
+    )
 
 
 def measure_layer_memory(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict) -> tuple[int, int]:

@@ -24,10 +24,11 @@ from lightning_lazytrain.engine.link import measure_link_cuda
 from lightning_lazytrain.models.adapter import ModelAdapter
 
 from .layer_memory import (
-    analytic_layer_memory,
-    analytic_mlp_recompute_graph,
+    LayerEstimates,
+    analytic_layer_estimates,
     measure_layer_memory,
     measure_mlp_recompute_graph,
+    unique_numel,
 )
 from .spill_probe import measure_disk
 from .timing import rotary_inputs, time_cuda
@@ -130,10 +131,6 @@ class Profile:
         return cls.from_dict(json.loads(text))
 
 
-def _unique_numel(module: torch.nn.Module) -> int:
-    return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
-
-
 def _layer_groups(adapter: ModelAdapter) -> dict[tuple, list[int]]:
     """Layers grouped by (layer type, parameter names and shapes): one measurement per group."""
     types = adapter.layer_types()
@@ -200,14 +197,16 @@ def _measure(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, 
     config = adapter.model.config
     itemsize = stream_dtype.itemsize
     n, tokens, types = adapter.num_layers, batch * seq, adapter.layer_types()
-    numel = [_unique_numel(layer) for layer in adapter.layers]
+    numel = [unique_numel(layer) for layer in adapter.layers]
     cuda = device.type == "cuda"
     src = dict.fromkeys(SOURCE_KEYS, "measured" if cuda else "analytic")
     if cuda:
         per_layer = _measure_layers(adapter, batch, seq, device, stream_dtype)
         forward = [per_layer[j][0] for j in range(n)]
-        memory = [per_layer[j][1:3] for j in range(n)]
-        mlp = [(per_layer[j][4], per_layer[j][3]) for j in range(n)]
+        layers = LayerEstimates(graph_bytes=[per_layer[j][1] for j in range(n)],
+                                working_bytes=[per_layer[j][2] for j in range(n)],
+                                mlp_graph_bytes=[per_layer[j][4] for j in range(n)],
+                                mlp_seconds=[per_layer[j][3] for j in range(n)])
         torch.cuda.empty_cache()
         head = _measure_head(adapter, tokens, device, stream_dtype)
         h2d, d2h, duplex = measure_link_cuda(device)
@@ -215,10 +214,7 @@ def _measure(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, 
     else:
         forward = [(2.0 * numel[j] * tokens + _attention_flops(config, types[j], batch, seq)) / ANALYTIC_FLOPS
                    for j in range(n)]
-        memory = [analytic_layer_memory(config, types[j], tokens, itemsize, numel[j] * itemsize) for j in range(n)]
-        # the MLP's share of the layer's FLOPs is its share of the weights (the attention's mixing aside)
-        mlp = [(analytic_mlp_recompute_graph(config, types[j], tokens, itemsize),
-                2.0 * _unique_numel(adapter.layers[j].mlp) * tokens / ANALYTIC_FLOPS) for j in range(n)]
+        layers = analytic_layer_estimates(adapter, tokens, itemsize, ANALYTIC_FLOPS)
         head = 6.0 * config.vocab_size * config.hidden_size * tokens / ANALYTIC_FLOPS
         h2d, d2h, duplex = H200_H2D, H200_D2H, H200_DUPLEX
         name = f"cpu:{platform.processor() or platform.machine()}"
@@ -232,8 +228,7 @@ def _measure(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, 
                    head_seconds=head, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, duplex_bytes_per_s=duplex,
                    nvme_read_bytes_per_s=read, nvme_write_bytes_per_s=write, device_name=name, sources=src,
                    batch=batch, seq=seq, dtype=str(stream_dtype).replace("torch.", ""), layer_types=types,
-                   graph_bytes=[g for g, _ in memory], working_bytes=[w for _, w in memory],
-                   mlp_graph_bytes=[g for g, _ in mlp], mlp_seconds=[t for _, t in mlp],
+                   **asdict(layers),
                    info={"analytic_flops": None if cuda else ANALYTIC_FLOPS, "working_set": src["forward_seconds"],
                          "spill_dir": spill_dir})
 

@@ -24,8 +24,9 @@ import torch
 
 from lightning_lazytrain.models.adapter import UnsupportedModelError, adapter_for
 from lightning_lazytrain.schedule.analytic import analytic_profile, scale_profile
+from lightning_lazytrain.schedule.batch_search import largest_batch
 from lightning_lazytrain.schedule.disk import checkpoints_kept, free_bytes
-from lightning_lazytrain.schedule.forecast import Forecast, Machine, RunSpec, forecast, largest_batch
+from lightning_lazytrain.schedule.forecast import Forecast, Machine, RunSpec, forecast
 from lightning_lazytrain.schedule.gpus import GPUS, GpuSpec, gpu_spec, spec_for_device
 from lightning_lazytrain.sft.cli import ConfigError, LazyTrainCLI
 from lightning_lazytrain.sft.data.sft import SFTDataModule

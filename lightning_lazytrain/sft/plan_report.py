@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_lazytrain.schedule.forecast import MAX_BATCH
+from lightning_lazytrain.schedule.batch_search import MAX_BATCH
 from lightning_lazytrain.units import GIB
 
 _TIER_NAMES = {"host": "host RAM", "gpu": "GPU", "disk": "spill disk", "checkpoint": "ckpt disk"}

@@ -1,0 +1,61 @@
+"""The memory-aware placement problem the strategy solves at its first batch, built once for the run and the forecast.
+
+`lightning_lazytrain.planner.solve_plan` (the run, with the executor's numbers) and `forecast` (shapes only) both
+build their problem here, so the forecast plans as the run does: the device memory the whole plan may use
+(`plan_total_bytes`), one weight slot's bytes, ``max(1, prefetch_depth)`` slots every plan holds, the head's working
+set, and the graphs of the last ``keep_graph_layers`` layers kept. The MILP takes the slots, kept graphs and each
+block's working set out of the total (`milp_memory.py`); the GPU activation budget is the user's, capped by it.
+"""
+
+from __future__ import annotations
+
+from .build import build_problem
+from .problem import ScheduleProblem
+from .profile import Profile
+
+#: The share of the device memory free for the plan that it may fill; the rest absorbs the caching allocator's
+#: rounding and fragmentation.
+PLAN_MEMORY_MARGIN = 0.95
+
+
+def plan_total_bytes(available_bytes: int) -> int:
+    """Device bytes the plan may use when ``available_bytes`` are free for it (slots, boundaries, graphs, peaks)."""
+    return int(max(0, available_bytes) * PLAN_MEMORY_MARGIN)
+
+
+def head_working_bytes(loss_chunk_bytes: int, last_boundary_bytes: int) -> int:
+    """The head's working set: a logits chunk, its gradient and softmax, the hidden state and its gradient."""
+    return 3 * loss_chunk_bytes + 2 * last_boundary_bytes
+
+
+def plan_problem(
+    profile: Profile,
+    gpu_budget_bytes: int,
+    cpu_budget_bytes: int,
+    nvme_budget_bytes: int,
+    *,
+    total_bytes: int | None,
+    slot_bytes: int,
+    prefetch_depth: int,
+    loss_chunk_bytes: int,
+    max_recompute_span: int,
+    keep_graph_layers: int,
+) -> ScheduleProblem:
+    """The problem for ``profile`` under the activation budgets and the device's ``total_bytes`` (``None``: no
+    device memory limits the plan, the CPU run); the last ``keep_graph_layers`` layers must keep their graph."""
+    n = profile.num_layers
+    if keep_graph_layers > n:
+        raise ValueError(f"keep_graph_layers={keep_graph_layers} is more than the model's {n} layers")
+    gpu = gpu_budget_bytes if total_bytes is None else min(gpu_budget_bytes, total_bytes)
+    return build_problem(
+        profile,
+        gpu,
+        cpu_budget_bytes,
+        nvme_budget_bytes,
+        max_recompute_span=max_recompute_span,
+        keep_graph_layers=list(range(n - keep_graph_layers, n)),
+        gpu_total_bytes=total_bytes,
+        slot_bytes=slot_bytes,
+        fixed_slots=max(1, prefetch_depth),
+        head_working_bytes=head_working_bytes(loss_chunk_bytes, profile.activation_bytes[-1]),
+    )
