@@ -105,3 +105,20 @@ def test_the_rung_is_planned_after_the_failed_step_has_let_go_of_its_tensors(mon
     train(model, batches(2), strategy=strategy)
     assert left["n"] == 0 and strategy.oom_ladder.taken  # the step failed once and a rung was taken
     assert alive_at_budget and not any(alive_at_budget), "a rung was budgeted while the failed step's tensors lived"
+
+
+def test_the_device_total_after_a_discarded_step_counts_no_slot_pool(monkeypatch):
+    """A failed step is discarded before its rung is planned, which drops the slot pool: the plan's device total
+    is then what is free (the pool's memory is in it), not an error for want of a pool to add back."""
+    from types import SimpleNamespace
+
+    from lightning_lazytrain import planner
+    from lightning_lazytrain.schedule.plan_problem import plan_total_bytes
+
+    monkeypatch.setattr(planner, "device_free_bytes", lambda device: 10_000)
+    store = SimpleNamespace(stream_dtype=torch.bfloat16)
+    executor = SimpleNamespace(device=torch.device("cuda"), slot_numel=100, store=store,
+                               device_update_reserve_bytes=500, pool=SimpleNamespace(slots=[object()] * 3))
+    assert planner.gpu_total_bytes(executor) == plan_total_bytes(10_000 + 3 * 200 - 500)
+    executor.pool = None
+    assert planner.gpu_total_bytes(executor) == plan_total_bytes(10_000 - 500)
