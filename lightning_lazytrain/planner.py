@@ -16,7 +16,7 @@ import psutil
 
 from lightning_lazytrain.engine import Schedule, StreamingExecutor
 from lightning_lazytrain.engine.device import device_free_bytes
-from lightning_lazytrain.schedule import Profile, profile_model, solve
+from lightning_lazytrain.schedule import InfeasibleScheduleError, Profile, profile_model, solve
 from lightning_lazytrain.schedule.plan_problem import plan_problem, plan_total_bytes
 from lightning_lazytrain.units import GIB
 
@@ -81,12 +81,23 @@ def solve_plan(settings: PlanSettings, executor: StreamingExecutor, batch: int, 
             profile = profile_model(executor.adapter, batch, seq, executor.device, executor.store.stream_dtype,
                                     spill_dir=settings.spill_dir)
     gpu, cpu, nvme = budgets(settings, executor)
-    problem = plan_problem(profile, gpu, cpu, nvme, total_bytes=gpu_total_bytes(executor),
+    total = gpu_total_bytes(executor)
+    problem = plan_problem(profile, gpu, cpu, nvme, total_bytes=total,
                            slot_bytes=executor.slot_numel * executor.store.stream_dtype.itemsize,
                            prefetch_depth=executor.prefetch_depth, loss_chunk_bytes=executor.loss_chunk_bytes,
                            max_recompute_span=settings.max_recompute_span,
                            keep_graph_layers=settings.keep_graph_layers)
-    schedule = solve(problem, time_limit=settings.solver_time_limit, mip_gap=settings.solver_mip_gap)
+    try:
+        schedule = solve(problem, time_limit=settings.solver_time_limit, mip_gap=settings.solver_mip_gap)
+    except InfeasibleScheduleError as exc:
+        held = executor.device_update_held_bytes + executor.device_update_reserve_bytes
+        if total is None or not held:
+            raise
+        raise InfeasibleScheduleError(
+            f"{exc}. Of the device memory, {held / GIB:.3f} GiB is held for the GPU's share of the optimizer update "
+            f"({executor.device_update_held_bytes / GIB:.3f} GiB of masters and states kept or staged there): "
+            "device_update_states='staged', a lower device_update_share, or device_update_share=0.0 leaves it to "
+            "the plan") from exc
     schedule.profile = profile  # what it was solved for: a re-plan starts from it
     log.info("lazytrain plan: %s, predicted exposed %.3f s", schedule.counts(), schedule.predicted_exposed_seconds)
     return schedule

@@ -205,3 +205,38 @@ def test_a_callbacks_own_load_state_dict_reaches_what_streams(share):
     assert rel_diff(runs["by hand"].model, model) > 1e-3
     assert rel_diff(runs["module"].model, runs["by hand"].model) == 0.0
     assert rel_diff(runs["strategy"].model, runs["by hand"].model) == 0.0
+
+
+@pytest.mark.parametrize("states", ["resident", "staged"])
+def test_a_plan_short_of_device_memory_names_what_the_device_share_holds(monkeypatch, states):
+    """The GPU's share of the update takes device memory at setup (homes, or staging buffers) before the plan is
+    solved: when the plan then does not fit, the error says how much and which setting gives it back."""
+    from lightning_lazytrain import planner
+    from lightning_lazytrain.engine.updates.device import IN_FLIGHT, staging_bytes
+    from lightning_lazytrain.schedule import InfeasibleScheduleError
+
+    seen = []
+
+    def tiny_total(executor):
+        device = executor.path.updates.device_path
+        sizes = [staging_bytes(u, device.optimizer) for u in device.units]
+        seen.append((executor.device_update_held_bytes, executor.device_update_reserve_bytes, sizes))
+        return 1 << 16
+
+    monkeypatch.setattr(planner, "gpu_total_bytes", tiny_total)
+    strategy = LazyTrainStrategy(schedule="milp", device_update_share=0.5, device_update_states=states)
+    with pytest.raises(InfeasibleScheduleError, match="device_update_states='staged'") as err:
+        fit(HybridModule(tiny_model("qwen2")), batches(1), strategy, max_steps=1)
+    (held, reserve, sizes), *_ = seen
+    assert held == (sum(sizes) if states == "resident" else IN_FLIGHT * max(sizes)) > 0
+    assert f"{(held + reserve) / 2**30:.3f} GiB is held" in str(err.value)
+
+
+def test_a_plan_short_of_device_memory_without_a_device_share_says_nothing_of_it(monkeypatch):
+    from lightning_lazytrain import planner
+    from lightning_lazytrain.schedule import InfeasibleScheduleError
+
+    monkeypatch.setattr(planner, "gpu_total_bytes", lambda executor: 1 << 16)
+    with pytest.raises(InfeasibleScheduleError) as err:
+        fit(HybridModule(tiny_model("qwen2")), batches(1), LazyTrainStrategy(schedule="milp"), max_steps=1)
+    assert "GPU memory short" in str(err.value) and "device_update" not in str(err.value)

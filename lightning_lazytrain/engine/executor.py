@@ -94,6 +94,10 @@ class StreamingExecutor:
         return self.path.device_reserve_bytes if self.path is not None else 0
 
     @property
+    def device_update_held_bytes(self) -> int:
+        return self.path.device_held_bytes if self.path is not None else 0
+
+    @property
     def resident_device_bytes(self) -> int:
         """Device bytes of the resident embedding/norm/head copy and its gradients."""
         return 2 * self._resident_buf.numel() * self._resident_buf.element_size()

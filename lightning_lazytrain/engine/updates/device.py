@@ -128,6 +128,11 @@ class DeviceUpdatePath:
                 self._staging.append((torch.empty(nbytes, dtype=torch.uint8, device=queues.device), None))
         self._pin_host_tensors()
 
+    @property
+    def held_bytes(self) -> int:
+        """Device bytes held for the run: the resident homes, or the staging buffers."""
+        return sum(h.numel() for h in self._homes.values()) + sum(b.numel() for b, _ in self._staging)
+
     def _host_tensors(self) -> list[torch.Tensor]:
         return [t for u in self.units for t in (u.master, *(s for e in u.unique
                                                              for s in self.optimizer.state_tensors(e.param)))]
