@@ -2,11 +2,11 @@
 
 On CUDA both are measured on one copy of the layer (``max_memory_allocated`` / ``memory_allocated`` deltas from
 just before its forward-with-grad, through its backward). Without CUDA they are estimated from the config: per
-token, the tensors autograd saves in a decoder layer (the two RMSNorms' fp32 intermediates, Q/K/V and the attention
-output, the MLP's gate/up/activation/product), and for the peak the backward's transient intermediates, the input
-gradient and the weight gradients. The graph of a layer whose MLP re-runs in the backward
+token, the tensors autograd saves in a decoder layer (the two RMSNorms' fp32 inputs and normalized outputs, Q/K/V
+and the attention output, the MLP's gate/up/activation/product), and for the peak the backward's transient
+intermediates, the input gradient and the weight gradients. The graph of a layer whose MLP re-runs in the backward
 (``engine/mlp_recompute.py``) is measured the same way under ``checkpointed_mlp``, and estimated as the graph
-without the MLP's intermediates (the MLP's input stays: it is one of the three hidden-sized terms).
+without the MLP's intermediates (the MLP's input stays: it is the second norm's output).
 ``saved_tensor_bytes`` counts what autograd really saves (saved-tensor hooks),
 the reference the estimate is tested against.
 """
@@ -71,8 +71,16 @@ def analytic_layer_memory(config, layer_type: str, tokens: int, itemsize: int, p
 
 def analytic_mlp_recompute_graph(config, layer_type: str, tokens: int, itemsize: int) -> int:
     """Graph bytes of one layer whose MLP re-runs in the backward: norms, the token mixer, the hidden states."""
-    norms = 2 * 3 * 4 * config.hidden_size  # two RMSNorms: fp32 input, normalized and scaled copies
-    return tokens * (norms + itemsize * (3 * config.hidden_size + _mixer_width(config, layer_type)))
+    hidden = config.hidden_size
+    if layer_type == "linear_attention":  # not measured on a GPU: the earlier count, three fp32 copies per norm
+        norms = 2 * 3 * 4 * hidden + itemsize * 3 * hidden
+    else:
+        # each RMSNorm keeps its input cast to fp32 and its normalized output in the stream dtype (the projections'
+        # input, the MLP's too); two more hidden-sized tensors: the attention block's output and the layer's.
+        # Against one layer measured on an H100 in bf16 (benchmarks/results/layer_memory_h100.json) the whole
+        # graph comes to 1.04x (3B, 7B) to 1.06x (14B) of the measurement, this one to 1.11x.
+        norms = 2 * (4 + itemsize) * hidden + itemsize * 2 * hidden
+    return tokens * (norms + itemsize * _mixer_width(config, layer_type))
 
 
 @dataclass(frozen=True)
