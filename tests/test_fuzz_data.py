@@ -6,7 +6,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from lightning_lazytrain.sft.data import (
@@ -117,6 +117,7 @@ def _expected_failure(row: object) -> tuple[str | None, str] | None:
 @FUZZ
 @given(rows=st.lists(_rows, min_size=1, max_size=6), blanks=st.lists(st.booleans(), min_size=6, max_size=6),
        bom=st.booleans())
+@example(rows=[{"query": "\ud800\udc00"}], blanks=[False] * 6, bom=False)  # a pair, once written: valid text
 def test_json_rows_match_an_oracle(tmp_path, rows, blanks, bom):
     lines, numbers = [], []
     for row, blank in zip(rows, blanks):
@@ -125,6 +126,9 @@ def test_json_rows_match_an_oracle(tmp_path, rows, blanks, bom):
         lines.append(json.dumps(row))  # ASCII with \\u escapes, NaN/Infinity as Python writes them
         numbers.append(len(lines))
     path = _write(tmp_path, "rows.jsonl", (b"\xef\xbb\xbf" if bom else b"") + "\n".join(lines).encode())
+    # the oracle judges each row as a JSON reader gets it back: a high and a low surrogate written side by side
+    # as escapes read back as one valid character
+    rows = [json.loads(json.dumps(row)) for row in rows]
     failures = [(n, f) for n, row in zip(numbers, rows) if (f := _expected_failure(row))]
     if not failures:
         records = read_records(path)
