@@ -15,18 +15,12 @@ streamed and device copy stale wherever one has just written them.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging, WeightAveraging
 
-
-class MasterSync(Protocol):
-    """What the callback needs from the executor."""
-
-    def wait_updates(self) -> None: ...
-
-    def host_state_loaded(self, masters: bool) -> None: ...
+from lightning_lazytrain.engine import StreamingExecutor
 
 
 def averaging_callbacks(trainer: pl.Trainer) -> list[Callback]:
@@ -36,7 +30,7 @@ def averaging_callbacks(trainer: pl.Trainer) -> list[Callback]:
 class WeightAveragingSync(Callback):
     """Keeps the host masters and what mirrors them coherent around Lightning's weight-averaging callbacks."""
 
-    def __init__(self, executor: MasterSync, averaging: list[Callback]) -> None:
+    def __init__(self, executor: StreamingExecutor, averaging: list[Callback]) -> None:
         self.executor = executor
         self.averaging = averaging
         self._swapped = False
@@ -58,20 +52,22 @@ class WeightAveragingSync(Callback):
         self._swapped = True
 
     def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if self._swapped:  # the averaging callbacks' epoch-start hooks have swapped the average in
-            self._swapped = False
-            self.executor.host_state_loaded(masters=True)
+        self._after_swap()  # the averaging callbacks' epoch-start hooks have swapped the average in
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._swapped = True  # swapped back by the averaging callbacks after this hook
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._after_swap()
+
+    def _after_swap(self) -> None:
+        """Once after each swap: what streams and any device home are refreshed from the masters it wrote."""
         if self._swapped:
             self._swapped = False
             self.executor.host_state_loaded(masters=True)
 
 
-def install_weight_averaging_sync(trainer: pl.Trainer, executor: MasterSync) -> WeightAveragingSync | None:
+def install_weight_averaging_sync(trainer: pl.Trainer, executor: StreamingExecutor) -> WeightAveragingSync | None:
     """Put a ``WeightAveragingSync`` first among the trainer's callbacks when an averaging callback is there."""
     averaging = averaging_callbacks(trainer)
     if not averaging:
