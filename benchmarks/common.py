@@ -155,6 +155,7 @@ class StepTimer(pl.Callback):
         self.stats: list[dict] = []
         self.rss_max = 0
         self.plan = None
+        self.fused_modules = None
 
     def _event(self) -> torch.cuda.Event:
         if not GPU:
@@ -174,6 +175,7 @@ class StepTimer(pl.Callback):
         self.marks.append(tuple(self._open))
         self.stats.append(dict(getattr(trainer.strategy, "last_step_stats", {}) or {}))
         self.plan = getattr(getattr(trainer.strategy, "executor", None), "plan", None)
+        self.fused_modules = getattr(getattr(trainer.strategy, "executor", None), "fused_modules", None)
         self.rss_max = max(self.rss_max, psutil.Process().memory_info().rss)
 
     def summary(self, warmup: int) -> dict:
@@ -201,6 +203,8 @@ class StepTimer(pl.Callback):
             "steps_timed": len(step) or len(rows),
             "engine": engine,
             "host_rss_max_gib": self.rss_max / 2**30,
+            # modules of the streamed layers running Liger's kernels (None: not a lazytrain run)
+            "fused_kernel_modules": self.fused_modules,
         }
 
 
@@ -222,7 +226,16 @@ def machine() -> dict:
             "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
             "transformers": __import__("transformers").__version__, "lightning": pl.__version__,
             # the update path HybridAdamW's CPU tensors take here (fused kernel's SIMD level, or torch)
-            "hybrid_adamw_kernel_path": kernel_path()}
+            "hybrid_adamw_kernel_path": kernel_path(), "liger_kernel": _version("liger-kernel")}
+
+
+def _version(distribution: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
 
 
 def commit() -> str:

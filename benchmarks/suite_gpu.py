@@ -66,8 +66,23 @@ ROWS = [
         1,
         {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
     ),
+    Row(
+        "lazytrain-hf-kernels-7b-80g-b144-expandable",
+        "kernels",
+        "lazytrain-hf-kernels",
+        "qwen2.5-7b",
+        (144,),
+        80.0,
+        280,
+        4,
+        1,
+        {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+    ),
     Row("resident-7b-max", "ceiling", "gpu-resident", "qwen2.5-7b", (24, 16, 12, 8, 4), None, 240, 5, 1),
     Row("resident-ckpt-7b-max", "ceiling", "gpu-resident-ckpt", "qwen2.5-7b", (96, 64, 48, 32, 16), None, 300, 5, 1),
+    Row("resident-liger-7b-max", "ceiling", "gpu-resident-liger", "qwen2.5-7b", (24, 16, 12, 8, 4), None, 240, 5, 1),
+    Row("resident-ckpt-liger-7b-max", "ceiling", "gpu-resident-ckpt-liger", "qwen2.5-7b", (96, 64, 48, 32, 16), None,
+        300, 5, 1),
     Row("lazytrain-7b-24g-b32", "p5", "lazytrain", "qwen2.5-7b", (32,), 24.0, 420, 5, 1),
 ]
 GROUPS = sorted({r.group for r in ROWS})
@@ -154,7 +169,8 @@ def _ratio(rows: dict, num: str, den: str, target: float | None, key: str = "mod
 def targets(rows: dict) -> dict:
     fsdp = [n for n in ("fsdp-offload-3b-b8-adamw-default", "fsdp-offload-3b-b8-adamw-fused") if _ok(rows, n)]
     faster_fsdp = max(fsdp, key=lambda n: rows[n]["model_tflops"]) if fsdp else "fsdp-offload-3b-b8-adamw-fused"
-    ceiling = [n for n in ("resident-7b-max", "resident-ckpt-7b-max") if _ok(rows, n)]
+    ceiling = [n for n in ("resident-7b-max", "resident-ckpt-7b-max", "resident-liger-7b-max",
+                           "resident-ckpt-liger-7b-max") if _ok(rows, n)]
     best_ceiling = max(ceiling, key=lambda n: rows[n]["model_tflops"]) if ceiling else "resident-7b-max"
     ours = [n for n in ("lazytrain-3b-b8", "lazytrain-gpu-updates-plan-3b-b8") if _ok(rows, n)]
     best_3b = max(ours, key=lambda n: rows[n]["model_tflops"]) if ours else "lazytrain-3b-b8"  # the row names it

@@ -14,7 +14,8 @@ from common import BenchModule, host_model, qwen_config, random_model
 
 from lightning_lazytrain import LazyTrainStrategy
 
-SYSTEMS = ("gpu-resident", "gpu-resident-ckpt", "lazytrain", "lazytrain-one-rank-nccl", "lazytrain-gpu-updates",
+SYSTEMS = ("gpu-resident", "gpu-resident-ckpt", "gpu-resident-liger", "gpu-resident-ckpt-liger", "lazytrain",
+           "lazytrain-hf-kernels", "lazytrain-one-rank-nccl", "lazytrain-gpu-updates",
            "lazytrain-gpu-updates-plan", "lazytrain-gpu-updates-plan-staged", "lazytrain-gpu-updates-all",
            "lazytrain-interval4",
            "lazytrain-interval4-overlap",
@@ -25,6 +26,8 @@ SYSTEMS = ("gpu-resident", "gpu-resident-ckpt", "lazytrain", "lazytrain-one-rank
 # the row's optimizer label adds
 OVERLAPPED = {
     "lazytrain": ({}, ""),
+    # the A/B of Liger's fused norm and SwiGLU, which "lazytrain" runs by default where liger-kernel is installed
+    "lazytrain-hf-kernels": ({"fused_kernels": "none"}, ", HF's own norm and MLP kernels"),
     # issue 17: the multi-process path (process group, sharded sink, reduce-scatter) on one GPU
     "lazytrain-one-rank-nccl": ({"force_distributed": True}, ", force_distributed=True (one-rank NCCL)"),
     "lazytrain-gpu-updates": ({"device_update_share": None}, ", a measured share of the updates on the GPU"),
@@ -55,10 +58,14 @@ def build(system: str, shape: str, batch: int, host_cache: dict, fp32_adamw: boo
     """``host_cache`` keeps one host model per shape for the lazytrain systems (they leave it unchanged);
     the GPU-resident, FSDP and DeepSpeed systems get a fresh model each, since they move or wrap it."""
     clip = {"gradient_clip_val": 1.0}
-    if system in ("gpu-resident", "gpu-resident-ckpt"):
+    if system.startswith("gpu-resident"):
         model = random_model(shape, "cuda", torch.bfloat16)
-        if system == "gpu-resident-ckpt":
+        if "-ckpt" in system:
             model.gradient_checkpointing_enable()
+        if system.endswith("-liger"):  # the same kernels lazytrain's layers run: the ceiling for it
+            from lightning_lazytrain.models.fused_kernels import fuse_decoder_kernels
+
+            fuse_decoder_kernels(model.model.layers)
         return SystemRun(BenchModule(model, "adamw"), "auto", "bf16-true", "torch AdamW (GPU)", clip)
     if system.startswith("lazytrain"):
         if shape not in host_cache:
@@ -131,7 +138,8 @@ def work_ratio(system: str, plan) -> float:
     """Executed / model FLOPs of the decoder stack: forward + backward is 3 forwards' worth of work; every layer
     that does not keep its graph re-runs its forward with grad in the backward, and a recompute block re-runs
     its inner layers once more without grad."""
-    if system in ("gpu-resident-ckpt", "fsdp-cpu-offload", "fsdp-cpu-offload-fused", "deepspeed-z3-offload",
+    if system in ("gpu-resident-ckpt", "gpu-resident-ckpt-liger",
+                  "fsdp-cpu-offload", "fsdp-cpu-offload-fused", "deepspeed-z3-offload",
                   "deepspeed-z3-offload-fair"):
         return 4 / 3
     if plan is None:

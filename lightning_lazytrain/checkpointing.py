@@ -8,6 +8,7 @@ shards with several processes); the file layout (one file or a directory of shar
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -24,6 +25,8 @@ from lightning_lazytrain.checkpoint import sharded as sharded_checkpoint
 from lightning_lazytrain.checkpoint.atomic import AtomicCheckpointIO, CorruptCheckpointError
 from lightning_lazytrain.parallel import ProcessGroupStrategy
 from lightning_lazytrain.resume import STATE_KEY, ResumeState, fallback_for_last
+
+log = logging.getLogger(__name__)
 
 
 class WeightsOnlyResumeError(MisconfigurationException):
@@ -119,6 +122,20 @@ class CheckpointingStrategy(ProcessGroupStrategy):
             optimizer.load_state_dict(state)
         if self.executor is not None:
             self.executor.host_state_loaded(masters=False)
+
+    def _engine_step(self, clip_val: float | None) -> None:
+        """The engine's own update; a failure names the last good checkpoint, a non-finite norm skips the step."""
+        trainer = self.lightning_module.trainer
+        assert self.executor is not None
+        try:
+            stepped = self.executor.direct_step(clip_val, self.resume.nonfinite_guard, trainer.global_step)
+        except RuntimeError as exc:
+            reason = str(exc).rstrip(".")
+            raise RuntimeError(f"{reason}. Last good checkpoint: {last_checkpoint(trainer)}") from exc
+        if not stepped:
+            self.resume.skipped_steps += 1
+            log.warning("lazytrain: non-finite gradient norm at step %d, step skipped (%d so far)",
+                        trainer.global_step, self.resume.skipped_steps)
 
 
 def last_checkpoint(trainer: pl.Trainer) -> str:

@@ -20,13 +20,14 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_lazytrain.admission import AdmissionReport, admission
-from lightning_lazytrain.checkpointing import CheckpointingStrategy, last_checkpoint
+from lightning_lazytrain.checkpointing import CheckpointingStrategy
 from lightning_lazytrain.engine import StreamingExecutor
 from lightning_lazytrain.engine.device import device_free_bytes, prefer_expandable_segments
 from lightning_lazytrain.engine.generation import EvalGeneration
 from lightning_lazytrain.engine.updates.placement import DeviceStates, check_device_updates
 from lightning_lazytrain.faults import gpu_out_of_memory
 from lightning_lazytrain.models import adapter_for, find_hf_model
+from lightning_lazytrain.models.fused_kernels import FusedKernels, check_fused_kernels, use_fused_kernels
 from lightning_lazytrain.oom_ladder import OomLadder
 from lightning_lazytrain.planner import PlanSettings, initial_plan
 from lightning_lazytrain.precision import LazyTrainPrecision
@@ -76,6 +77,9 @@ class LazyTrainStrategy(CheckpointingStrategy):
             again; 0 stops at the first.
         replan_every_n_steps: with ``schedule="milp"`` on CUDA, probe the link every N steps and solve the plan
             again when it drifted from the profile by more than 25% (``lightning_lazytrain/replan.py``); 0: never.
+        fused_kernels: ``"auto"`` (default) runs the decoder layers' RMSNorm and SwiGLU MLP through Liger-Kernel's
+            Triton kernels when on CUDA with ``liger-kernel`` installed (faster, smaller graphs; bf16 rounding differs
+            from HF's by what TRL's ``use_liger_kernel`` differs); ``"liger"`` insists; ``"none"`` runs HF's own.
         force_distributed: run the multi-process path even with one process (``devices=1``, one node): a process
             group of one rank (NCCL on CUDA, gloo on the CPU), sharded store, updates and checkpoints. For testing
             and timing that path on one device; it trains to the same weights as the default one-process path.
@@ -108,6 +112,7 @@ class LazyTrainStrategy(CheckpointingStrategy):
         generation: GenerationMode = "auto",
         oom_fallback_steps: int = 3,
         replan_every_n_steps: int = 50,
+        fused_kernels: FusedKernels = "auto",
         force_distributed: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
@@ -120,6 +125,7 @@ class LazyTrainStrategy(CheckpointingStrategy):
         self.pin_memory = pin_memory
         self.timeout_s = timeout_s
         self.force_distributed = force_distributed
+        self.fused_kernels = check_fused_kernels(fused_kernels)
         self.overlap_updates = overlap_updates
         self.device_updates = check_device_updates(device_update_share, device_update_states)
         self.generation_mode = check_generation_mode(generation)
@@ -177,6 +183,7 @@ class LazyTrainStrategy(CheckpointingStrategy):
                 adapter, self.root_device, precision.master_dtype, precision.stream_dtype, plan,
                 num_slots=self.num_slots, prefetch_depth=self.prefetch_depth, pin_memory=pin,
                 timeout_s=self.timeout_s, spill_dir=self.plan_settings.spill_dir, store_factory=self.store_factory,
+                fused_kernels=use_fused_kernels(self.fused_kernels, self.root_device.type),
             )
             self.generation = EvalGeneration(self.executor, self.generation_mode)
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -202,19 +209,6 @@ class LazyTrainStrategy(CheckpointingStrategy):
         (``step_params``), automatic optimization, no gradient accumulation, and ``overlap_updates``."""
         return (self.overlap_updates and len(self.optimizers) == 1 and hasattr(self.optimizers[0], "step_params")
                 and self.lightning_module.automatic_optimization and trainer.accumulate_grad_batches == 1)
-
-    def _engine_step(self, clip_val: float | None) -> None:
-        trainer = self.lightning_module.trainer
-        assert self.executor is not None
-        try:
-            stepped = self.executor.direct_step(clip_val, self.resume.nonfinite_guard, trainer.global_step)
-        except RuntimeError as exc:
-            reason = str(exc).rstrip(".")
-            raise RuntimeError(f"{reason}. Last good checkpoint: {last_checkpoint(trainer)}") from exc
-        if not stepped:
-            self.resume.skipped_steps += 1
-            log.warning("lazytrain: non-finite gradient norm at step %d, step skipped (%d so far)",
-                        trainer.global_step, self.resume.skipped_steps)
 
     @override
     def on_validation_end(self) -> None:

@@ -26,6 +26,7 @@ from lightning_lazytrain.engine.weights.binding import leaves_of
 from lightning_lazytrain.engine.weights.slots import SlotPool
 from lightning_lazytrain.engine.weights.store import HostParamStore
 from lightning_lazytrain.models import ModelAdapter
+from lightning_lazytrain.models.fused_kernels import fuse_decoder_kernels, unfuse_decoder_kernels
 from lightning_lazytrain.optim import NonFiniteGuard
 
 
@@ -48,6 +49,7 @@ class StreamingExecutor:
         loss_chunk_bytes: int = LOSS_CHUNK_BYTES,
         spill_dir: str | None = None,
         store_factory: Callable[..., HostParamStore] = HostParamStore,
+        fused_kernels: bool = False,
     ) -> None:
         if getattr(adapter.lm_head, "bias", None) is not None:
             raise ValueError("lazytrain's chunked loss supports a bias-free lm_head only (all supported families)")
@@ -56,6 +58,7 @@ class StreamingExecutor:
         self.spill_dir, self.timeout_s = spill_dir, timeout_s
         self.queues = DeviceQueues(device)
         self.layers: list[nn.Module] = list(adapter.layers)
+        self.fused_modules = fuse_decoder_kernels(self.layers) if fused_kernels else 0
         self.resident_modules = _resident_modules(adapter)
         groups = [("resident", self.resident_modules)] + [(f"layer.{j}", [m]) for j, m in enumerate(self.layers)]
         self.store = store_factory(groups, master_dtype, stream_dtype, pin=pin_memory and device.type == "cuda")
@@ -150,6 +153,7 @@ class StreamingExecutor:
     def close(self) -> None:
         """Give the model back as it was (forwards, buffers on their old device), release pinned memory."""
         self.hooks.remove()
+        unfuse_decoder_kernels(self.layers)
         if self.path is not None:
             self.path.close()
             self.path = None

@@ -1,0 +1,76 @@
+"""Which modules the Liger kernels are bound to, and that nothing of the model changes but those forwards.
+
+The kernels themselves run only on CUDA (Triton): their numbers against HF's are in ``test_gpu_fused_kernels.py``.
+"""
+
+import copy
+
+import pytest
+import torch
+from helpers import FAMILIES, batches, tiny_model, train
+
+from lightning_lazytrain import LazyTrainStrategy
+from lightning_lazytrain.models import adapter_for
+from lightning_lazytrain.models.fused_kernels import (
+    fuse_decoder_kernels,
+    liger_available,
+    unfuse_decoder_kernels,
+    use_fused_kernels,
+)
+
+# per decoder layer: the two norms and the MLP; Qwen3's attention adds q_norm and k_norm; the MoE block is not a
+# SwiGLU MLP; Qwen3.5's norms scale by 1 + weight, which Liger's "llama" mode does not compute
+BOUND_PER_LAYER = {"qwen2": 3, "qwen2-tied": 3, "qwen3": 5, "qwen3-moe": 4, "qwen3.5": 0, "llama": 3}
+
+
+def _bound(layers) -> list[str]:
+    return [type(m).__name__ for layer in layers for m in layer.modules() if "forward" in m.__dict__]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_norms_and_swiglu_mlps_of_each_layer_are_bound_and_unbound(family):
+    model = tiny_model(family)
+    layers = adapter_for(model).layers
+    before = copy.deepcopy(model.state_dict())
+    count = fuse_decoder_kernels(layers)
+    assert count == BOUND_PER_LAYER[family] * len(layers) == len(_bound(layers))
+    assert all(name.endswith(("RMSNorm", "MLP")) for name in _bound(layers))
+    unfuse_decoder_kernels(layers)
+    assert _bound(layers) == []
+    assert all(torch.equal(t, before[k]) for k, t in model.state_dict().items())
+
+
+def test_a_copied_layer_runs_its_own_weights():
+    """The profiler deep-copies a layer onto the device: the copy's fused forwards must read the copy."""
+    layer = adapter_for(tiny_model("qwen2")).layers[0]
+    fuse_decoder_kernels([layer])
+    twin = copy.deepcopy(layer)
+    assert twin.mlp.forward.__self__ is twin.mlp
+    assert twin.input_layernorm.forward.__self__ is twin.input_layernorm
+
+
+def test_someone_elses_override_is_left_alone():
+    layer = adapter_for(tiny_model("qwen2")).layers[0]
+
+    def theirs(x):
+        return x
+
+    layer.mlp.forward = theirs
+    assert fuse_decoder_kernels([layer]) == 2
+    unfuse_decoder_kernels([layer])
+    assert layer.mlp.forward is theirs
+
+
+def test_the_mode_resolves_per_device():
+    assert use_fused_kernels("none", "cuda") is False
+    assert use_fused_kernels("auto", "cpu") is False
+    assert use_fused_kernels("auto", "cuda") is liger_available()
+    with pytest.raises(ValueError, match="fused_kernels='liger' needs a CUDA device.*the device is cpu"):
+        use_fused_kernels("liger", "cpu")
+    with pytest.raises(ValueError, match="fused_kernels='fast': choose 'auto', 'liger' or 'none'"):
+        LazyTrainStrategy(fused_kernels="fast")
+
+
+def test_liger_on_the_cpu_accelerator_stops_at_setup():
+    with pytest.raises(ValueError, match="fused_kernels='liger' needs a CUDA device"):
+        train(tiny_model("qwen2"), batches(1), strategy=LazyTrainStrategy(fused_kernels="liger"), max_steps=1)
