@@ -87,6 +87,10 @@ def test_json_answer_follows_the_overrides(tmp_path):
     answer = json.loads(proc.stdout)
     assert answer["asked"]["batch"] == 4 and answer["run"]["seq"] == 512 and answer["run"]["world_size"] == 2
     assert answer["largest"] is None and not answer["largest_searched"] and answer["gpu"]["memory_bytes"] == 24564 << 20
+    from lightning_lazytrain.models.fused_kernels import liger_available
+
+    # the recipe leaves fused_kernels at "auto": Liger's kernels where liger-kernel is installed, as in the run
+    assert answer["run"]["kernels"] == ("Liger's fused norm and SwiGLU" if liger_available() else "HF's own")
     host = answer["asked"]["tiers"]["host"]["pieces"]
     # two processes on one host: the streamed copy once, everything else as the two ranks' shards (all of it)
     assert host["streamed copy (shared, once per host)"] == 2 * answer["model"]["params"]

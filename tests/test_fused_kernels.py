@@ -74,3 +74,13 @@ def test_the_mode_resolves_per_device():
 def test_liger_on_the_cpu_accelerator_stops_at_setup():
     with pytest.raises(ValueError, match="fused_kernels='liger' needs a CUDA device"):
         train(tiny_model("qwen2"), batches(1), strategy=LazyTrainStrategy(fused_kernels="liger"), max_steps=1)
+
+
+def test_a_profile_measured_with_fused_kernels_is_cached_apart():
+    from lightning_lazytrain.schedule.profile import cache_key
+
+    adapter = adapter_for(tiny_model("qwen2"))
+    before = cache_key(adapter, 2, 16, torch.device("cpu"), torch.float32)
+    fuse_decoder_kernels(adapter.layers)
+    after = cache_key(adapter, 2, 16, torch.device("cpu"), torch.float32)
+    assert before["fused_kernels"] == 0 and after["fused_kernels"] == 12 and before != after

@@ -294,3 +294,31 @@ def test_checkpoints_need_their_disk():
     assert f.fits_gpu and not f.fits and f.report.tiers["checkpoint"].short == need - 200 * GIB
     bf16 = forecast(replace(run, precision="bf16-true", checkpoints_kept=1), machine, 16, _analytic(run))
     assert bf16.fits and bf16.report.tiers["checkpoint"].need == 2 * int(run.trainable_params * (2 + 7.88))
+
+
+def test_fused_kernels_give_smaller_graphs_faster_layers_and_a_larger_batch():
+    """The forecast plans with Liger's kernels where the run will bind them: the layer estimates are the fused
+    ones (layer_memory's, held against the H200 measurement there), a layer with both parts fused runs
+    FUSED_LAYER_TIME of HF's time, and so more batch fits the same card; "auto" follows whether liger-kernel is
+    installed, and a family Liger's norm does not reproduce (Qwen3.5) plans as before."""
+    from lightning_lazytrain.models.fused_kernels import liger_available
+    from lightning_lazytrain.schedule.analytic import FUSED_LAYER_TIME
+
+    adapter = _meta(Qwen2Config(**QWEN25_7B))
+    hf, fused = _run(adapter, fused_kernels="none"), _run(adapter, fused_kernels="liger")
+    assert not hf.kernels_fused and fused.kernels_fused
+    assert _run(adapter).kernels_fused is liger_available()
+    base = analytic_profile(adapter, 64, 1024, H200)
+    fast = analytic_profile(adapter, 64, 1024, H200, fused=True)
+    ratios = [f / b for f, b in zip(fast.forward_seconds, base.forward_seconds, strict=True)]
+    assert ratios == pytest.approx([FUSED_LAYER_TIME] * 28)
+    assert fast.graph_bytes[0] / base.graph_bytes[0] == pytest.approx(0.695, abs=0.01)  # 158.8 / 232.6 KB measured
+    assert fast.working_bytes[0] < base.working_bytes[0] and fast.mlp_graph_bytes[0] < base.mlp_graph_bytes[0]
+    machine = _machine(80.0)
+    bigger = largest_batch(fused, machine, lambda b: analytic_profile(adapter, b, 1024, H200, fused=True))
+    smaller = largest_batch(hf, machine, _analytic(hf))
+    assert bigger.batch > smaller.batch
+    assert bigger.prediction.step_s / bigger.batch < smaller.prediction.step_s / smaller.batch
+    qwen35 = _meta(Qwen3_5TextConfig(**QWEN36_27B))
+    unfused = analytic_profile(qwen35, 4, 1024, H200)
+    assert analytic_profile(qwen35, 4, 1024, H200, fused=True).graph_bytes == unfused.graph_bytes

@@ -58,6 +58,18 @@ def _is_swiglu(mlp: nn.Module) -> bool:
     return silu and unbiased
 
 
+def fusable(layer: nn.Module) -> tuple[bool, bool]:
+    """(norms, MLP): whether ``fuse_decoder_kernels`` would bind the layer's norms and its MLP; reads classes and
+    the config only, so a model on the meta device answers too."""
+    norms = any(type(m).__name__ in _PLAIN_NORMS and getattr(m, "weight", None) is not None for m in layer.modules())
+    return norms, any(_is_swiglu(m) for m in layer.modules())
+
+
+def fused_count(layers: Iterable[nn.Module]) -> int:
+    """How many submodules of ``layers`` run Liger's kernels now."""
+    return sum(bool(m.__dict__.get(_MARK)) for layer in layers for m in layer.modules())
+
+
 def fuse_decoder_kernels(layers: Iterable[nn.Module]) -> int:
     """Binds Liger's RMSNorm and SwiGLU onto the matching submodules of ``layers``; returns how many it bound.
 

@@ -18,12 +18,16 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from lightning_lazytrain.models.adapter import ModelAdapter
+from lightning_lazytrain.models.fused_kernels import fusable
 
 from .gpus import GpuSpec
 from .layer_memory import analytic_layer_estimates, unique_numel
 from .profile import SOURCE_KEYS, Profile, _attention_flops
 
 ACHIEVED_FRACTION = 0.58
+# a layer with Liger's norms and SwiGLU (``models/fused_kernels.py``) re-runs its forward in this share of HF's time:
+# 0.90-0.92 at batches 16-144 on an H200, 7B shape (benchmarks/results/layer_kernels_h200.json, "fwd_nograd_ms")
+FUSED_LAYER_TIME = 0.91
 DISK_READ, DISK_WRITE = 1.28e9, 0.51e9  # REFERENCE.md: the H200 machine's disk (no spill dir to measure)
 
 
@@ -39,8 +43,10 @@ def analytic_profile(
     gpu: GpuSpec,
     stream_dtype: torch.dtype = torch.bfloat16,
     achieved_fraction: float = ACHIEVED_FRACTION,
+    fused: bool = False,
 ) -> Profile:
-    """The profile ``profile_model`` would measure on ``gpu``, from FLOPs and the published figures.
+    """The profile ``profile_model`` would measure on ``gpu``, from FLOPs and the published figures; ``fused``: the
+    run binds Liger's kernels where a layer allows (smaller graphs; a layer with both parts fused runs faster).
 
     Works on a model built on the meta device (only shapes are read).
     """
@@ -49,8 +55,9 @@ def analytic_profile(
     tokens, types = batch * seq, adapter.layer_types()
     rate = gpu.bf16_tflops * 1e12 * achieved_fraction
     numel = [unique_numel(layer) for layer in adapter.layers]
+    speed = [FUSED_LAYER_TIME if fused and all(fusable(layer)) else 1.0 for layer in adapter.layers]
     forward = [
-        (2.0 * numel[j] * tokens + _attention_flops(config, types[j], batch, seq)) / rate
+        speed[j] * (2.0 * numel[j] * tokens + _attention_flops(config, types[j], batch, seq)) / rate
         for j in range(adapter.num_layers)
     ]
     head = 6.0 * config.vocab_size * config.hidden_size * tokens / rate
@@ -59,6 +66,8 @@ def analytic_profile(
         f"analytic: layer FLOPs / {rate / 1e12:.0f} TFLOP/s ({achieved_fraction:.2f} of {gpu.name}'s "
         f"{gpu.bf16_tflops:g} dense bf16 peak); link PCIe gen{gpu.pcie_gen} x16 at the H200's measured share"
     )
+    if fused:
+        scaling += f"; Liger's fused norm and SwiGLU where a layer allows (x{FUSED_LAYER_TIME} layer time)"
     if itemsize > 2:
         scaling += f"; fp32 layers run below the bf16 rate, so these {str(stream_dtype)[6:]} times are too short"
     return Profile(
@@ -77,7 +86,7 @@ def analytic_profile(
         seq=seq,
         dtype=str(stream_dtype).replace("torch.", ""),
         layer_types=types,
-        **asdict(analytic_layer_estimates(adapter, tokens, itemsize, rate)),
+        **asdict(analytic_layer_estimates(adapter, tokens, itemsize, rate, fused)),
         info={"scaling": scaling, "achieved_tflops": rate / 1e12},
     )
 

@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lightning_lazytrain.models.adapter import ModelAdapter, adapter_for
+from lightning_lazytrain.models.fused_kernels import fuse_decoder_kernels
 
 from .layer_memory import unique_numel
 from .profile import Profile, profile_model
@@ -30,8 +31,10 @@ def measured_profile(
     device: torch.device,
     stream_dtype: torch.dtype = torch.bfloat16,
     cache_dir: str | None = None,
+    fused: bool = False,
 ) -> Profile:
-    """Profile of ``adapter``'s model at ``batch`` x ``seq``, timed on ``device`` through a one-layer-per-kind copy."""
+    """Profile of ``adapter``'s model at ``batch`` x ``seq``, timed on ``device`` through a one-layer-per-kind copy;
+    ``fused``: with Liger's kernels bound to that copy's layers, as the run will bind them."""
     types = adapter.layer_types()
     kinds = list(dict.fromkeys(types))
     config = copy.deepcopy(adapter.model.config)
@@ -41,6 +44,8 @@ def measured_profile(
     measured_batch = max(1, min(batch, MEASURED_TOKENS // seq))
     with torch.device(device):
         small = AutoModelForCausalLM.from_config(config, dtype=stream_dtype, attn_implementation="sdpa")
+    if fused:
+        fuse_decoder_kernels(adapter_for(small).layers)
     try:
         measured = profile_model(adapter_for(small), measured_batch, seq, device, stream_dtype, cache_dir=cache_dir)
     finally:

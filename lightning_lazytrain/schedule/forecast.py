@@ -21,6 +21,7 @@ from lightning_lazytrain.admission import AdmissionReport, admission_report
 from lightning_lazytrain.engine.loss import LOSS_CHUNK_BYTES
 from lightning_lazytrain.engine.plan import Schedule
 from lightning_lazytrain.models.adapter import ModelAdapter
+from lightning_lazytrain.models.fused_kernels import liger_available
 
 from .analytic import gpu_layout, model_flops_per_step
 from .disk import checkpoint_tier
@@ -67,11 +68,17 @@ class RunSpec:
     solver_mip_gap: float = 0.01
     checkpoints_kept: int = 0  # full-state checkpoints the run keeps on disk (Lightning's default callback: 1)
     checkpoints_weights_only: bool = False  # those checkpoints hold the masters only (save_weights_only)
+    fused_kernels: str = "auto"  # "auto": Liger's kernels when liger-kernel is installed here, as the run would
 
     @property
     def stream_dtype(self) -> torch.dtype:
         """What the engine streams and saves boundaries in: fp32 under 32-true, else bf16."""
         return torch.float32 if self.precision == "32-true" else torch.bfloat16
+
+    @property
+    def kernels_fused(self) -> bool:
+        """Whether the run on a CUDA device binds Liger's kernels (``LazyTrainStrategy(fused_kernels=...)``)."""
+        return self.fused_kernels == "liger" or (self.fused_kernels == "auto" and liger_available())
 
     @property
     def trainable_params(self) -> int:

@@ -19,6 +19,7 @@ import torch
 
 from lightning_lazytrain.engine.mlp_recompute import checkpointed_mlp
 from lightning_lazytrain.models.adapter import ModelAdapter
+from lightning_lazytrain.models.fused_kernels import fusable
 
 
 def unique_numel(module: torch.nn.Module) -> int:
@@ -60,20 +61,31 @@ def _mlp_per_token(config, itemsize: int) -> int:
     return per_token
 
 
-def analytic_layer_memory(config, layer_type: str, tokens: int, itemsize: int, param_bytes: int) -> tuple[int, int]:
-    """(graph bytes, peak working bytes) of one layer's forward+backward for ``tokens`` tokens, estimated."""
+def analytic_layer_memory(config, layer_type: str, tokens: int, itemsize: int, param_bytes: int,
+                          fused: tuple[bool, bool] = (False, False)) -> tuple[int, int]:
+    """(graph bytes, peak working bytes) of one layer's forward+backward for ``tokens`` tokens, estimated.
+
+    ``fused`` (norms, MLP) says which parts run Liger's kernels (``models/fused_kernels.py``): its SwiGLU keeps
+    gate and up but not the activation (the product stays: it is the down projection's input), and its backward
+    writes one intermediate-sized gradient buffer fewer.
+    """
     hidden, mlp = config.hidden_size, _mlp_width(config)
-    graph = analytic_mlp_recompute_graph(config, layer_type, tokens, itemsize)
-    graph += tokens * _mlp_per_token(config, itemsize)
-    transient = tokens * itemsize * (2 * mlp + 2 * hidden)  # backward's gate/up gradients, input gradient, output
-    return graph, graph + transient + param_bytes
+    graph = analytic_mlp_recompute_graph(config, layer_type, tokens, itemsize, fused_norms=fused[0])
+    graph += tokens * (_mlp_per_token(config, itemsize) - (itemsize * mlp if fused[1] else 0))
+    gradients = (1 if fused[1] else 2) * mlp + 2 * hidden  # gate/up gradients, input gradient, output
+    return graph, graph + tokens * itemsize * gradients + param_bytes
 
 
-def analytic_mlp_recompute_graph(config, layer_type: str, tokens: int, itemsize: int) -> int:
+def analytic_mlp_recompute_graph(config, layer_type: str, tokens: int, itemsize: int, fused_norms: bool = False) -> int:
     """Graph bytes of one layer whose MLP re-runs in the backward: norms, the token mixer, the hidden states."""
     hidden = config.hidden_size
     if layer_type == "linear_attention":  # not measured on a GPU: the earlier count, three fp32 copies per norm
         norms = 2 * 3 * 4 * hidden + itemsize * 3 * hidden
+    elif fused_norms:
+        # Liger's norm keeps its input and one fp32 value a row: against HF's, no fp32 copies and one hidden-sized
+        # tensor fewer; one layer measured on an H200 (benchmarks/results/layer_kernels_h200.json) has 73,728
+        # bytes a token less (7B shape), which is 10 bytes a hidden feature and the activation's intermediate
+        norms = 3 * itemsize * hidden
     else:
         # each RMSNorm keeps its input cast to fp32 and its normalized output in the stream dtype (the projections'
         # input, the MLP's too); two more hidden-sized tensors: the attention block's output and the layer's.
@@ -93,18 +105,21 @@ class LayerEstimates:
     mlp_seconds: list[float]
 
 
-def analytic_layer_estimates(adapter: ModelAdapter, tokens: int, itemsize: int, flops_per_s: float) -> LayerEstimates:
+def analytic_layer_estimates(adapter: ModelAdapter, tokens: int, itemsize: int, flops_per_s: float,
+                             fused: bool = False) -> LayerEstimates:
     """Graph, working-set and MLP-re-run bytes of every layer for ``tokens`` tokens, and one MLP forward's seconds
     at ``flops_per_s``: the MLP's share of the layer's FLOPs is its share of the weights (the attention's mixing
-    aside)."""
+    aside). ``fused``: the run binds Liger's kernels where a layer allows (``fusable``)."""
     config, types = adapter.model.config, adapter.layer_types()
     layers = list(adapter.layers)
-    memory = [analytic_layer_memory(config, types[j], tokens, itemsize, unique_numel(layer) * itemsize)
+    parts = [fusable(layer) if fused else (False, False) for layer in layers]
+    memory = [analytic_layer_memory(config, types[j], tokens, itemsize, unique_numel(layer) * itemsize, parts[j])
               for j, layer in enumerate(layers)]
     return LayerEstimates(
         graph_bytes=[graph for graph, _ in memory],
         working_bytes=[work for _, work in memory],
-        mlp_graph_bytes=[analytic_mlp_recompute_graph(config, t, tokens, itemsize) for t in types],
+        mlp_graph_bytes=[analytic_mlp_recompute_graph(config, t, tokens, itemsize, fused_norms=parts[j][0])
+                         for j, t in enumerate(types)],
         mlp_seconds=[2.0 * unique_numel(layer.mlp) * tokens / flops_per_s for layer in layers],
     )
 

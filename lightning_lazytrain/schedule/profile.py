@@ -22,6 +22,7 @@ import torch
 
 from lightning_lazytrain.engine.link import measure_link_cuda
 from lightning_lazytrain.models.adapter import ModelAdapter
+from lightning_lazytrain.models.fused_kernels import fused_count
 
 from .layer_memory import (
     LayerEstimates,
@@ -235,7 +236,8 @@ def _measure(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, 
 
 def cache_key(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, stream_dtype: torch.dtype,
               spill_dir: str | None = None) -> dict:
-    """What identifies a profile: machine, device, library versions, model shape, batch, seq, dtype, spill dir."""
+    """What identifies a profile: machine, device, library versions, model shape, batch, seq, dtype, spill dir, and
+    how many of the layers' modules run Liger's kernels."""
     import transformers
 
     cfg = {k: v for k, v in adapter.model.config.to_dict().items()
@@ -244,7 +246,8 @@ def cache_key(adapter: ModelAdapter, batch: int, seq: int, device: torch.device,
     return {"version": PROFILE_VERSION, "host": socket.gethostname(), "machine": platform.machine(),
             "device": f"{device.type}:{dev}", "torch": torch.__version__, "transformers": transformers.__version__,
             "config": json.loads(json.dumps(cfg, sort_keys=True, default=str)), "batch": int(batch), "seq": int(seq),
-            "dtype": str(stream_dtype), "spill_dir": None if spill_dir is None else os.path.abspath(spill_dir)}
+            "dtype": str(stream_dtype), "spill_dir": None if spill_dir is None else os.path.abspath(spill_dir),
+            "fused_kernels": fused_count(adapter.layers)}
 
 
 def default_cache_dir() -> Path:

@@ -159,13 +159,15 @@ def _machine_and_profiles(gpu_name: str | None, run: RunSpec):
             return spec, lambda b: _measured(run, b), f"--gpu {spec.name}, measured here"
         ratio_from = measured_spec.bf16_tflops
         return spec, lambda b: scale_profile(_measured(run, b), ratio_from, spec), f"--gpu {spec.name}"
-    return spec, lambda b: analytic_profile(run.adapter, b, run.seq, spec, run.stream_dtype), f"--gpu {spec.name}"
+    return (spec, lambda b: analytic_profile(run.adapter, b, run.seq, spec, run.stream_dtype, fused=run.kernels_fused),
+            f"--gpu {spec.name}")
 
 
 def _measured(run: RunSpec, batch: int):
     from lightning_lazytrain.schedule.device_profile import measured_profile
 
-    return measured_profile(run.adapter, batch, run.seq, torch.device("cuda", 0), run.stream_dtype)
+    return measured_profile(run.adapter, batch, run.seq, torch.device("cuda", 0), run.stream_dtype,
+                            fused=run.kernels_fused)
 
 
 def _plan(cli: PlanCLI) -> dict:
@@ -248,6 +250,7 @@ def _plan(cli: PlanCLI) -> dict:
             "world_size": run.world_size,
             "schedule": run.schedule,
             "optimizer_state_bytes_per_param": run.optimizer_state_bytes_per_param,
+            "kernels": "Liger's fused norm and SwiGLU" if run.kernels_fused else "HF's own",
         },
         "asked": asked.to_dict(),
         "largest": None if best is None else best.to_dict(),  # None: not even batch 1, or not searched

@@ -55,7 +55,8 @@ def render(answer: dict) -> str:
         f"CPU update "
         f"{answer['host']['update_params_per_s'] / 1e9:.1f} G params/s (--update_gparams_per_s)",
         f"run: batch {asked['batch']} x seq {r['seq']}, {r['precision']}, {r['world_size']} process(es), "
-        f"schedule {r['schedule']}, optimizer states {r['optimizer_state_bytes_per_param']:.2f} B/param",
+        f"schedule {r['schedule']}, optimizer states {r['optimizer_state_bytes_per_param']:.2f} B/param, "
+        f"layer kernels: {r['kernels']}",
         f"batch {asked['batch']}: {'fits' if asked['fits'] else 'DOES NOT FIT'}",
     ]
     out += (
