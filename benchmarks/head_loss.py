@@ -1,0 +1,71 @@
+"""The chunked head loss, forward and backward, timed on whatever device is here (CUDA events or wall clock).
+
+    python benchmarks/head_loss.py --out benchmarks/results/head_loss_cpu.json
+    PYTHONPATH=<other checkout> python benchmarks/head_loss.py ...   # the same for another version of the library
+
+Rows of ``--rows`` tokens through a head of ``--vocab`` x ``--hidden``, in chunks of ``--chunk-mib`` of fp32 logits;
+the median of ``--reps`` runs after one warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from common import DEVICE, write_results
+
+from lightning_lazytrain.engine.loss import chunked_causal_lm_loss
+
+
+def _seconds(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        if DEVICE == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--chunk-mib", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, args.rows, args.hidden, generator=gen).to(DEVICE).requires_grad_()
+    weight = (torch.randn(args.vocab, args.hidden, generator=gen) * 0.02).to(DEVICE).requires_grad_()
+    labels = torch.randint(0, args.vocab, (1, args.rows), generator=gen).to(DEVICE)
+    chunk = args.chunk_mib << 20
+
+    def forward_backward() -> None:
+        hidden.grad = weight.grad = None
+        chunked_causal_lm_loss(hidden, weight, labels, chunk_bytes=chunk).backward()
+
+    def forward_only() -> None:
+        with torch.no_grad():
+            chunked_causal_lm_loss(hidden, weight, labels, chunk_bytes=chunk)
+
+    row = {"rows": args.rows, "hidden": args.hidden, "vocab": args.vocab, "chunk_mib": args.chunk_mib,
+           "threads": torch.get_num_threads(), "forward_backward_s": _seconds(forward_backward, args.reps),
+           "forward_no_grad_s": _seconds(forward_only, args.reps)}
+    write_results(args.out, {"rows": [row]})
+    print(row)
+
+
+if __name__ == "__main__":
+    main()
