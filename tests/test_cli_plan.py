@@ -121,3 +121,21 @@ def test_plan_with_the_gpu_here_measures_it(tmp_path):
     answer = json.loads(proc.stdout)
     assert answer["asked"]["scaling"].startswith("measured on NVIDIA") and answer["asked"]["fits_gpu"]
     assert answer["largest"]["batch"] > 8 and answer["largest"]["prediction"]["step_s"] > 0
+
+
+def test_the_plan_names_the_kernels_the_layers_will_run():
+    import torch
+    from helpers import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from lightning_lazytrain.models.adapter import adapter_for
+    from lightning_lazytrain.schedule.forecast import RunSpec
+    from lightning_lazytrain.sft.plan_command import _kernels
+
+    def run(family: str, mode: str) -> RunSpec:
+        with torch.device("meta"):
+            return RunSpec(adapter_for(AutoModelForCausalLM.from_config(tiny_config(family))), 64, fused_kernels=mode)
+
+    assert _kernels(run("qwen2", "liger")) == "Liger's fused norm and SwiGLU"
+    assert _kernels(run("qwen2", "none")) == "HF's own"
+    assert _kernels(run("qwen3.5", "liger")) == "HF's own (Liger's kernels cover no layer of this family)"

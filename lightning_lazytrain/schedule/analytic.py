@@ -66,7 +66,7 @@ def analytic_profile(
         f"analytic: layer FLOPs / {rate / 1e12:.0f} TFLOP/s ({achieved_fraction:.2f} of {gpu.name}'s "
         f"{gpu.bf16_tflops:g} dense bf16 peak); link PCIe gen{gpu.pcie_gen} x16 at the H200's measured share"
     )
-    if fused:
+    if fused and any(any(fusable(layer)) for layer in adapter.layers):
         scaling += f"; Liger's fused norm and SwiGLU where a layer allows (x{FUSED_LAYER_TIME} layer time)"
     if itemsize > 2:
         scaling += f"; fp32 layers run below the bf16 rate, so these {str(stream_dtype)[6:]} times are too short"

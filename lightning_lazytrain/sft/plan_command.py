@@ -23,6 +23,7 @@ import psutil
 import torch
 
 from lightning_lazytrain.models.adapter import UnsupportedModelError, adapter_for
+from lightning_lazytrain.models.fused_kernels import fusable
 from lightning_lazytrain.schedule.analytic import analytic_profile, scale_profile
 from lightning_lazytrain.schedule.batch_search import largest_batch
 from lightning_lazytrain.schedule.disk import checkpoints_kept, free_bytes
@@ -143,6 +144,15 @@ def _state_bytes(model: dict) -> float:
     return 8.0
 
 
+def _kernels(run: RunSpec) -> str:
+    """Which kernels the streamed layers will run, in words."""
+    if not run.kernels_fused:
+        return "HF's own"
+    if not any(any(fusable(layer)) for layer in run.adapter.layers):
+        return "HF's own (Liger's kernels cover no layer of this family)"
+    return "Liger's fused norm and SwiGLU"
+
+
 def _machine_and_profiles(gpu_name: str | None, run: RunSpec):
     """(GpuSpec to plan for, profile function, words for the source)."""
     here = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
@@ -250,7 +260,7 @@ def _plan(cli: PlanCLI) -> dict:
             "world_size": run.world_size,
             "schedule": run.schedule,
             "optimizer_state_bytes_per_param": run.optimizer_state_bytes_per_param,
-            "kernels": "Liger's fused norm and SwiGLU" if run.kernels_fused else "HF's own",
+            "kernels": _kernels(run),
         },
         "asked": asked.to_dict(),
         "largest": None if best is None else best.to_dict(),  # None: not even batch 1, or not searched
