@@ -6,6 +6,9 @@ between steps or in a thread the step timer does not see. A trace from one batch
 
     python benchmarks/profile_step_gpu.py --system lazytrain-gpu-updates-plan --out $OUT/profile_plan
     python benchmarks/profile_step_gpu.py --system lazytrain --out $OUT/profile_cpu
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+    python benchmarks/profile_step_gpu.py --system lazytrain --shape qwen2.5-7b --batch 144 --cap-gib 80 \
+        --warmup 1 --out $OUT/profile_7b_b144     # where the paper batch's 2.2 s outside the stack go
 
 writes ``<out>.trace.json.gz`` (open in Perfetto) and ``<out>.json``: the step's wall time, the busiest operators by
 self CPU and self CUDA time, each thread's summed top-level CPU time, and where each thread's Python was, sampled
@@ -26,7 +29,7 @@ import threading
 import time
 
 import torch
-from common import GPU, RandomTokens, StepTimer, run_fit, write_results
+from common import GPU, RandomTokens, StepTimer, cap_gpu_memory, run_fit, write_results
 from systems import SYSTEMS, build
 
 import lightning_lazytrain
@@ -120,8 +123,11 @@ def main() -> None:
     parser.add_argument("--shape", default="qwen2.5-3b")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2, help="steps before the profiled one")
+    parser.add_argument("--cap-gib", type=float, default=None, help="GPU memory cap, as the suite's rows set it")
     parser.add_argument("--out", required=True, help="path prefix of the two files written")
     args = parser.parse_args()
+    if args.cap_gib is not None:
+        cap_gpu_memory(args.cap_gib)
     run = build(args.system, args.shape, args.batch, {})
     timer = ProfiledStep(args.warmup)
     run_fit(run.module, run.strategy, run.precision, RandomTokens(args.warmup + 2, args.batch, SEQ), timer,
