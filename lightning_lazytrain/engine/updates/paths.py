@@ -31,11 +31,15 @@ class UpdatePath:
     """One run's gradient sink and, when the engine runs the update itself, its update queue."""
 
     def __init__(self, sink: GradSink | DirectGradSink | ShardedGradSink,
-                 updates: UpdateQueue | ShardedUpdateQueue | None = None, device_reserve_bytes: int = 0,
-                 device_held_bytes: int = 0) -> None:
+                 updates: UpdateQueue | ShardedUpdateQueue | None = None, device_reserve_bytes: int = 0) -> None:
         self.sink, self.updates = sink, updates
         self.device_reserve_bytes = device_reserve_bytes  # device memory the plan must leave the device-side updates
-        self.device_held_bytes = device_held_bytes  # device memory they took at setup (homes or staging buffers)
+
+    @property
+    def device_held_bytes(self) -> int:
+        """Device memory the device-side updates took at setup (homes or staging buffers)."""
+        device_path = getattr(self.updates, "device_path", None)
+        return device_path.held_bytes if device_path is not None else 0
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -118,8 +122,7 @@ def direct_path(store: HostParamStore, queues: DeviceQueues, optimizer: torch.op
                     optimizer.register_stream_copy(e.param, unit.stream[e.offset : e.offset + e.numel].view(e.shape))
     device_units = [u for u, flag in zip(units, on_device, strict=True) if flag]
     device_path = DeviceUpdatePath(optimizer, device_units, queues, timeout_s, resident) if device_units else None
-    held = device_path.held_bytes if device_path is not None else 0
-    return UpdatePath(sink, UpdateQueue(optimizer, store.versions, sink, timeout_s, device_path), reserve, held)
+    return UpdatePath(sink, UpdateQueue(optimizer, store.versions, sink, timeout_s, device_path), reserve)
 
 
 def sharded_path(store: SharedParamStore, queues: DeviceQueues, optimizer: torch.optim.Optimizer,
