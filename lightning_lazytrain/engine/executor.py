@@ -26,7 +26,7 @@ from lightning_lazytrain.engine.weights.binding import leaves_of
 from lightning_lazytrain.engine.weights.slots import SlotPool
 from lightning_lazytrain.engine.weights.store import HostParamStore
 from lightning_lazytrain.models import ModelAdapter
-from lightning_lazytrain.models.fused_kernels import fuse_decoder_kernels, unfuse_decoder_kernels
+from lightning_lazytrain.models.fused_kernels import fuse_decoder_kernels, fused_count, unfuse_decoder_kernels
 from lightning_lazytrain.optim import NonFiniteGuard
 
 
@@ -58,7 +58,8 @@ class StreamingExecutor:
         self.spill_dir, self.timeout_s = spill_dir, timeout_s
         self.queues = DeviceQueues(device)
         self.layers: list[nn.Module] = list(adapter.layers)
-        self.fused_modules = fuse_decoder_kernels(self.layers) if fused_kernels else 0
+        if fused_kernels:
+            fuse_decoder_kernels(self.layers)
         self.resident_modules = _resident_modules(adapter)
         groups = [("resident", self.resident_modules)] + [(f"layer.{j}", [m]) for j, m in enumerate(self.layers)]
         self.store = store_factory(groups, master_dtype, stream_dtype, pin=pin_memory and device.type == "cuda")
@@ -99,6 +100,11 @@ class StreamingExecutor:
     @property
     def device_update_held_bytes(self) -> int:
         return self.path.device_held_bytes if self.path is not None else 0
+
+    @property
+    def fused_modules(self) -> int:
+        """Submodules of the streamed layers running Liger's kernels (``models/fused_kernels.py``)."""
+        return fused_count(self.layers)
 
     @property
     def resident_device_bytes(self) -> int:

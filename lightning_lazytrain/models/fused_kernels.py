@@ -50,6 +50,10 @@ def _fused_mlp(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(liger_swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
+def _is_plain_norm(module: nn.Module) -> bool:
+    return type(module).__name__ in _PLAIN_NORMS and getattr(module, "weight", None) is not None
+
+
 def _is_swiglu(mlp: nn.Module) -> bool:
     if type(mlp).__name__ not in _SWIGLU_MLPS:
         return False
@@ -61,8 +65,12 @@ def _is_swiglu(mlp: nn.Module) -> bool:
 def fusable(layer: nn.Module) -> tuple[bool, bool]:
     """(norms, MLP): whether ``fuse_decoder_kernels`` would bind the layer's norms and its MLP; reads classes and
     the config only, so a model on the meta device answers too."""
-    norms = any(type(m).__name__ in _PLAIN_NORMS and getattr(m, "weight", None) is not None for m in layer.modules())
-    return norms, any(_is_swiglu(m) for m in layer.modules())
+    return any(_is_plain_norm(m) for m in layer.modules()), any(_is_swiglu(m) for m in layer.modules())
+
+
+def fuses_any(layers: Iterable[nn.Module]) -> bool:
+    """Whether ``fuse_decoder_kernels`` would bind anything in ``layers``."""
+    return any(any(fusable(layer)) for layer in layers)
 
 
 def fused_count(layers: Iterable[nn.Module]) -> int:
@@ -80,8 +88,7 @@ def fuse_decoder_kernels(layers: Iterable[nn.Module]) -> int:
         for module in layer.modules():
             if "forward" in module.__dict__:
                 continue
-            name = type(module).__name__
-            if name in _PLAIN_NORMS and getattr(module, "weight", None) is not None:
+            if _is_plain_norm(module):
                 module.forward = types.MethodType(_fused_norm, module)
             elif _is_swiglu(module):
                 module.forward = types.MethodType(_fused_mlp, module)

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from lightning_lazytrain.models.adapter import ModelAdapter
-from lightning_lazytrain.models.fused_kernels import fusable
+from lightning_lazytrain.models.fused_kernels import fusable, fuses_any
 
 from .gpus import GpuSpec
 from .layer_memory import analytic_layer_estimates, unique_numel
@@ -66,7 +66,7 @@ def analytic_profile(
         f"analytic: layer FLOPs / {rate / 1e12:.0f} TFLOP/s ({achieved_fraction:.2f} of {gpu.name}'s "
         f"{gpu.bf16_tflops:g} dense bf16 peak); link PCIe gen{gpu.pcie_gen} x16 at the H200's measured share"
     )
-    if fused and any(any(fusable(layer)) for layer in adapter.layers):
+    if fused and fuses_any(adapter.layers):
         scaling += f"; Liger's fused norm and SwiGLU where a layer allows (x{FUSED_LAYER_TIME} layer time)"
     if itemsize > 2:
         scaling += f"; fp32 layers run below the bf16 rate, so these {str(stream_dtype)[6:]} times are too short"

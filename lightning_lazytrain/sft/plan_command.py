@@ -23,7 +23,7 @@ import psutil
 import torch
 
 from lightning_lazytrain.models.adapter import UnsupportedModelError, adapter_for
-from lightning_lazytrain.models.fused_kernels import fusable
+from lightning_lazytrain.models.fused_kernels import fuses_any
 from lightning_lazytrain.schedule.analytic import analytic_profile, scale_profile
 from lightning_lazytrain.schedule.batch_search import largest_batch
 from lightning_lazytrain.schedule.disk import checkpoints_kept, free_bytes
@@ -148,7 +148,7 @@ def _kernels(run: RunSpec) -> str:
     """Which kernels the streamed layers will run, in words."""
     if not run.kernels_fused:
         return "HF's own"
-    if not any(any(fusable(layer)) for layer in run.adapter.layers):
+    if not fuses_any(run.adapter.layers):
         return "HF's own (Liger's kernels cover no layer of this family)"
     return "Liger's fused norm and SwiGLU"
 
