@@ -146,6 +146,25 @@ class WallEvent:
         return (other.t - self.t) * 1e3
 
 
+def median_seconds(fn, reps: int, warm: int = 0) -> float:
+    """Median seconds of ``reps`` calls of ``fn`` after ``warm`` untimed ones: CUDA events around each call on a
+    GPU, the wall clock elsewhere (a microbenchmark's own call, not a training step)."""
+    for _ in range(warm):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = torch.cuda.Event(enable_timing=True) if GPU else WallEvent()
+        if GPU:
+            start.record()
+        fn()
+        end = torch.cuda.Event(enable_timing=True) if GPU else WallEvent()
+        if GPU:
+            end.record()
+            end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
 class StepTimer(pl.Callback):
     """CUDA events at batch start, before the optimizer step and at batch end; read only after the run."""
 

@@ -10,31 +10,11 @@ the median of ``--reps`` runs after one warm-up.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
-from common import DEVICE, write_results
+from common import DEVICE, median_seconds, write_results
 
 from lightning_lazytrain.engine.loss import chunked_causal_lm_loss
-
-
-def _seconds(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        if DEVICE == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -61,8 +41,9 @@ def main() -> None:
             chunked_causal_lm_loss(hidden, weight, labels, chunk_bytes=chunk)
 
     row = {"rows": args.rows, "hidden": args.hidden, "vocab": args.vocab, "chunk_mib": args.chunk_mib,
-           "threads": torch.get_num_threads(), "forward_backward_s": _seconds(forward_backward, args.reps),
-           "forward_no_grad_s": _seconds(forward_only, args.reps)}
+           "threads": torch.get_num_threads(),
+           "forward_backward_s": median_seconds(forward_backward, args.reps, warm=1),
+           "forward_no_grad_s": median_seconds(forward_only, args.reps, warm=1)}
     write_results(args.out, {"rows": [row]})
     print(row)
 

@@ -14,10 +14,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import statistics
 
 import torch
-from common import print_table, qwen_config, write_results
+from common import median_seconds, print_table, qwen_config, write_results
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen2 import modeling_qwen2
 
@@ -42,18 +41,6 @@ def _variant(name: str, layer: torch.nn.Module):
     finally:
         modeling_qwen2.apply_rotary_pos_emb = original_rope
         unfuse_decoder_kernels([layer])
-
-
-def _events(fn, reps: int) -> list[float]:
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
 
 
 def _kernel_split(fn) -> dict:
@@ -109,8 +96,7 @@ def _measure(layer: torch.nn.Module, h: torch.Tensor, kwargs: dict, g: torch.Ten
     peak = torch.cuda.max_memory_allocated() - base
     result = [out.detach(), *grads]
     del out, grads
-    stats = {"fwd_bwd_ms": statistics.median(_events(fwd_bwd, reps)),
-             "fwd_nograd_ms": statistics.median(_events(nograd, reps)),
+    stats = {"fwd_bwd_ms": median_seconds(fwd_bwd, reps) * 1e3, "fwd_nograd_ms": median_seconds(nograd, reps) * 1e3,
              "graph_gib": graph / GIB, "peak_gib": peak / GIB, **(_kernel_split(fwd_bwd) if profile else {})}
     return result, stats
 
