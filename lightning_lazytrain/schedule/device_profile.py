@@ -44,12 +44,13 @@ def measured_profile(
     measured_batch = max(1, min(batch, MEASURED_TOKENS // seq))
     with torch.device(device):
         small = AutoModelForCausalLM.from_config(config, dtype=stream_dtype, attn_implementation="sdpa")
+    copy_adapter = adapter_for(small)
     if fused:
-        fuse_decoder_kernels(adapter_for(small).layers)
+        fuse_decoder_kernels(copy_adapter.layers)
     try:
-        measured = profile_model(adapter_for(small), measured_batch, seq, device, stream_dtype, cache_dir=cache_dir)
+        measured = profile_model(copy_adapter, measured_batch, seq, device, stream_dtype, cache_dir=cache_dir)
     finally:
-        del small
+        del small, copy_adapter
         torch.cuda.empty_cache()
     ratio = batch / measured_batch
     per_kind = {kind: t * ratio for kind, t in zip(kinds, measured.forward_seconds)}
