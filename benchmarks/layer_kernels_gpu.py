@@ -1,4 +1,4 @@
-"""One decoder layer with HF's own kernels against Liger's fused RMSNorm/SwiGLU (and RoPE): time, memory, agreement.
+"""One decoder layer with HF's own kernels against Liger's fused RMSNorm, SwiGLU and RoPE: time, memory, agreement.
 
     python benchmarks/layer_kernels_gpu.py --out benchmarks/results/layer_kernels_h100.json
 
@@ -18,7 +18,6 @@ import copy
 import torch
 from common import median_seconds, print_table, qwen_config, write_results
 from transformers import AutoModelForCausalLM
-from transformers.models.qwen2 import modeling_qwen2
 
 from lightning_lazytrain.models.adapter import adapter_for
 from lightning_lazytrain.models.fused_kernels import fuse_decoder_kernels, unfuse_decoder_kernels
@@ -29,17 +28,11 @@ GIB = 2**30
 
 @contextlib.contextmanager
 def _variant(name: str, layer: torch.nn.Module):
-    original_rope = modeling_qwen2.apply_rotary_pos_emb
-    if name != "hf":
+    if name == "liger":
         fuse_decoder_kernels([layer])
-    if name == "liger+rope":
-        from liger_kernel.transformers.functional import liger_rope
-
-        modeling_qwen2.apply_rotary_pos_emb = lambda q, k, cos, sin, unsqueeze_dim=1: liger_rope(q, k, cos, sin)
     try:
         yield
     finally:
-        modeling_qwen2.apply_rotary_pos_emb = original_rope
         unfuse_decoder_kernels([layer])
 
 
@@ -136,7 +129,7 @@ def main() -> None:
     parser.add_argument("--batches", nargs="+", type=int, default=[16, 64, 144])
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--variants", nargs="+", default=["hf", "liger", "liger+rope"])
+    parser.add_argument("--variants", nargs="+", default=["hf", "liger"])
     parser.add_argument("--profile-batch", type=int, default=64)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

@@ -77,7 +77,7 @@ class LazyTrainStrategy(CheckpointingStrategy):
             again; 0 stops at the first.
         replan_every_n_steps: with ``schedule="milp"`` on CUDA, probe the link every N steps and solve the plan
             again when it drifted from the profile by more than 25% (``lightning_lazytrain/replan.py``); 0: never.
-        fused_kernels: ``"auto"`` (default) runs the decoder layers' RMSNorm and SwiGLU MLP through Liger-Kernel's
+        fused_kernels: ``"auto"`` (default) runs the decoder layers' RMSNorm, SwiGLU MLP and RoPE through Liger-Kernel's
             Triton kernels when on CUDA with ``liger-kernel`` installed (faster, smaller graphs; bf16 rounding differs
             from HF's by what TRL's ``use_liger_kernel`` differs); ``"liger"`` insists; ``"none"`` runs HF's own.
         force_distributed: run the multi-process path even with one process (``devices=1``, one node): a process

@@ -90,7 +90,7 @@ def test_json_answer_follows_the_overrides(tmp_path):
     from lightning_lazytrain.models.fused_kernels import liger_available
 
     # the recipe leaves fused_kernels at "auto": Liger's kernels where liger-kernel is installed, as in the run
-    assert answer["run"]["kernels"] == ("Liger's fused norm and SwiGLU" if liger_available() else "HF's own")
+    assert answer["run"]["kernels"] == ("Liger's fused norm, SwiGLU and RoPE" if liger_available() else "HF's own")
     host = answer["asked"]["tiers"]["host"]["pieces"]
     # two processes on one host: the streamed copy once, everything else as the two ranks' shards (all of it)
     assert host["streamed copy (shared, once per host)"] == 2 * answer["model"]["params"]
@@ -136,6 +136,7 @@ def test_the_plan_names_the_kernels_the_layers_will_run():
         with torch.device("meta"):
             return RunSpec(adapter_for(AutoModelForCausalLM.from_config(tiny_config(family))), 64, fused_kernels=mode)
 
-    assert _kernels(run("qwen2", "liger")) == "Liger's fused norm and SwiGLU"
+    assert _kernels(run("qwen2", "liger")) == "Liger's fused norm, SwiGLU and RoPE"
+    assert _kernels(run("qwen3-moe", "liger")) == "Liger's fused norm and RoPE"
     assert _kernels(run("qwen2", "none")) == "HF's own"
     assert _kernels(run("qwen3.5", "liger")) == "HF's own (Liger's kernels cover no layer of this family)"

@@ -18,9 +18,10 @@ from lightning_lazytrain.models.fused_kernels import (
     use_fused_kernels,
 )
 
-# per decoder layer: the two norms and the MLP; Qwen3's attention adds q_norm and k_norm; the MoE block is not a
-# SwiGLU MLP; Qwen3.5's norms scale by 1 + weight, which Liger's "llama" mode does not compute
-BOUND_PER_LAYER = {"qwen2": 3, "qwen2-tied": 3, "qwen3": 5, "qwen3-moe": 4, "qwen3.5": 0, "llama": 3}
+# per decoder layer: the two norms, the MLP and the attention (its RoPE); Qwen3's attention adds q_norm and k_norm;
+# the MoE block is not a SwiGLU MLP; Qwen3.5's norms scale by 1 + weight, which Liger's "llama" mode does not
+# compute, and its attention rotates part of each head
+BOUND_PER_LAYER = {"qwen2": 4, "qwen2-tied": 4, "qwen3": 6, "qwen3-moe": 5, "qwen3.5": 0, "llama": 4}
 
 
 def _bound(layers) -> list[str]:
@@ -34,7 +35,7 @@ def test_the_norms_and_swiglu_mlps_of_each_layer_are_bound_and_unbound(family):
     before = copy.deepcopy(model.state_dict())
     count = fuse_decoder_kernels(layers)
     assert count == BOUND_PER_LAYER[family] * len(layers) == len(_bound(layers))
-    assert all(name.endswith(("RMSNorm", "MLP")) for name in _bound(layers))
+    assert all(name.endswith(("RMSNorm", "MLP", "Attention")) for name in _bound(layers))
     unfuse_decoder_kernels(layers)
     assert _bound(layers) == []
     assert all(torch.equal(t, before[k]) for k, t in model.state_dict().items())
@@ -56,7 +57,7 @@ def test_someone_elses_override_is_left_alone():
         return x
 
     layer.mlp.forward = theirs
-    assert fuse_decoder_kernels([layer]) == 2
+    assert fuse_decoder_kernels([layer]) == 3
     unfuse_decoder_kernels([layer])
     assert layer.mlp.forward is theirs
 
@@ -83,4 +84,34 @@ def test_a_profile_measured_with_fused_kernels_is_cached_apart():
     before = cache_key(adapter, 2, 16, torch.device("cpu"), torch.float32)
     fuse_decoder_kernels(adapter.layers)
     after = cache_key(adapter, 2, 16, torch.device("cpu"), torch.float32)
-    assert before["fused_kernels"] == 0 and after["fused_kernels"] == 12 and before != after
+    assert before["fused_kernels"] == 0 and after["fused_kernels"] == 16 and before != after
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])  # Qwen3's attention runs its q/k norms through Triton too
+def test_the_rope_kernel_replaces_hfs_only_inside_the_bound_attention(family, monkeypatch):
+    """Liger's RoPE needs Triton, so a stand-in records the calls: the fused attention must route its rotation
+    through the kernel, give HF's output, and leave the module's global HF's after the call, even one that fails."""
+    import sys
+
+    from lightning_lazytrain.models import fused_kernels
+
+    model = tiny_model(family)
+    attention = adapter_for(model).layers[0].self_attn
+    modeling = sys.modules[type(attention).__module__]
+    hf_rope, calls = modeling.apply_rotary_pos_emb, []
+
+    def kernel(q, k, cos, sin):
+        calls.append(q.shape)
+        return hf_rope(q, k, cos, sin)
+
+    monkeypatch.setattr(fused_kernels, "_rope_kernel", lambda: kernel)
+    hidden = torch.randn(2, 5, model.config.hidden_size)
+    rotary = model.model.rotary_emb(hidden, torch.arange(5).unsqueeze(0))
+    expected, _ = attention(hidden, rotary, None)
+    fuse_decoder_kernels(adapter_for(model).layers)
+    got, _ = attention(hidden, rotary, None)
+    assert len(calls) == 1 and modeling.apply_rotary_pos_emb is hf_rope
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    with pytest.raises(RuntimeError):
+        attention(hidden[:, :, :-1], rotary, None)
+    assert modeling.apply_rotary_pos_emb is hf_rope

@@ -298,11 +298,11 @@ def test_checkpoints_need_their_disk():
 
 def test_fused_kernels_give_smaller_graphs_faster_layers_and_a_larger_batch():
     """The forecast plans with Liger's kernels where the run will bind them: the layer estimates are the fused
-    ones (layer_memory's, held against the H200 measurement there), a layer with both parts fused runs
-    FUSED_LAYER_TIME of HF's time, and so more batch fits the same card; "auto" follows whether liger-kernel is
-    installed, and a family Liger's norm does not reproduce (Qwen3.5) plans as before."""
+    ones (layer_memory's, held against the H200 measurement there), a layer with norms, MLP and RoPE fused runs
+    FUSED_LAYER_TIME x FUSED_ROPE_TIME of HF's time, and so more batch fits the same card; "auto" follows whether
+    liger-kernel is installed, and a family Liger's norm does not reproduce (Qwen3.5) plans as before."""
     from lightning_lazytrain.models.fused_kernels import liger_available
-    from lightning_lazytrain.schedule.analytic import FUSED_LAYER_TIME
+    from lightning_lazytrain.schedule.analytic import FUSED_LAYER_TIME, FUSED_ROPE_TIME
 
     adapter = _meta(Qwen2Config(**QWEN25_7B))
     hf, fused = _run(adapter, fused_kernels="none"), _run(adapter, fused_kernels="liger")
@@ -311,7 +311,7 @@ def test_fused_kernels_give_smaller_graphs_faster_layers_and_a_larger_batch():
     base = analytic_profile(adapter, 64, 1024, H200)
     fast = analytic_profile(adapter, 64, 1024, H200, fused=True)
     ratios = [f / b for f, b in zip(fast.forward_seconds, base.forward_seconds, strict=True)]
-    assert ratios == pytest.approx([FUSED_LAYER_TIME] * 28)
+    assert ratios == pytest.approx([FUSED_LAYER_TIME * FUSED_ROPE_TIME] * 28)
     assert fast.graph_bytes[0] / base.graph_bytes[0] == pytest.approx(0.695, abs=0.01)  # 158.8 / 232.6 KB measured
     assert fast.working_bytes[0] < base.working_bytes[0] and fast.mlp_graph_bytes[0] < base.mlp_graph_bytes[0]
     machine = _machine(80.0)

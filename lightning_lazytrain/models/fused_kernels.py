@@ -1,25 +1,31 @@
-"""Liger's fused Triton RMSNorm and SwiGLU inside the streamed decoder layers.
+"""Liger's fused Triton RMSNorm, SwiGLU and RoPE inside the streamed decoder layers.
 
 HF's RMSNorm makes an fp32 copy of its input and five more passes over it, and the MLP writes ``act(gate)`` and the
 product as two more intermediate-sized tensors; autograd keeps most of them. Liger-Kernel (the kernels TRL's and
 axolotl's ``use_liger_kernel`` turn on) does each in one pass and keeps only the inputs (and one fp32 value per row
-of a norm). So a layer's forward and backward run faster and its kept graph is smaller.
+of a norm); its RoPE rotates q and k in place in one pass where HF writes four tensors. So a layer's forward and
+backward run faster and its kept graph is smaller.
 
 Only what the engine streams is changed, and only per instance: a ``forward`` bound method in the module's
 ``__dict__`` (bound, so that a ``copy.deepcopy`` of a layer, as the profiler makes, runs with its own weights). It
 covers the norms and the MLP of each decoder layer, for the classes whose arithmetic Liger's "llama" casting mode
 reproduces (``weight * (x * rsqrt(mean(x²) + eps)).to(dtype)``; a SiLU-gated MLP without bias). The final norm keeps
 the engine's own override; classes, parameters and ``state_dict`` are untouched, and ``unfuse_decoder_kernels``
-takes every override away again. RoPE is left alone: HF applies it through a module-level function, which cannot
-be changed for one model only.
+takes every override away again.
+
+HF's attention applies RoPE through its modeling module's global ``apply_rotary_pos_emb``, which one instance cannot
+own. The attention's bound forward therefore swaps that global for Liger's only while it runs its class's forward,
+and puts HF's back in a ``finally``: other models of the class in the process (a reference model on the CPU, where
+Triton cannot run) keep HF's, and so does everything outside the layer's call.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import sys
 import types
 from collections.abc import Iterable
-from typing import Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import nn
@@ -28,6 +34,9 @@ from torch import nn
 _PLAIN_NORMS = frozenset({"Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm", "LlamaRMSNorm"})
 #: MLP classes computing ``down(silu(gate(x)) * up(x))``
 _SWIGLU_MLPS = frozenset({"Qwen2MLP", "Qwen3MLP", "Qwen3MoeMLP", "LlamaMLP"})
+#: attention classes rotating the whole head with ``rotate_half`` through their module's ``apply_rotary_pos_emb``
+_ROPE_ATTENTIONS = frozenset({"Qwen2Attention", "Qwen3Attention", "Qwen3MoeAttention", "LlamaAttention"})
+_ROPE_GLOBAL = "apply_rotary_pos_emb"
 _MARK = "_lazytrain_fused"
 
 
@@ -50,6 +59,27 @@ def _fused_mlp(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(liger_swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
+def _rope_kernel():
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb
+
+    return liger_rotary_pos_emb
+
+
+def _fused_attention(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    modeling = sys.modules[type(self).__module__]
+    hf_rope = getattr(modeling, _ROPE_GLOBAL)
+    setattr(modeling, _ROPE_GLOBAL, _rope_kernel())
+    try:
+        return type(self).forward(self, *args, **kwargs)
+    finally:
+        setattr(modeling, _ROPE_GLOBAL, hf_rope)
+
+
+def _is_rope_attention(module: nn.Module) -> bool:
+    modeling = sys.modules.get(type(module).__module__)
+    return type(module).__name__ in _ROPE_ATTENTIONS and callable(getattr(modeling, _ROPE_GLOBAL, None))
+
+
 def _is_plain_norm(module: nn.Module) -> bool:
     return type(module).__name__ in _PLAIN_NORMS and getattr(module, "weight", None) is not None
 
@@ -62,10 +92,21 @@ def _is_swiglu(mlp: nn.Module) -> bool:
     return silu and unbiased
 
 
-def fusable(layer: nn.Module) -> tuple[bool, bool]:
-    """(norms, MLP): whether ``fuse_decoder_kernels`` would bind the layer's norms and its MLP; reads classes and
-    the config only, so a model on the meta device answers too."""
-    return any(_is_plain_norm(m) for m in layer.modules()), any(_is_swiglu(m) for m in layer.modules())
+class FusedParts(NamedTuple):
+    norms: bool
+    mlp: bool
+    rope: bool
+
+
+UNFUSED = FusedParts(False, False, False)
+
+
+def fusable(layer: nn.Module) -> FusedParts:
+    """Whether ``fuse_decoder_kernels`` would bind the layer's norms, its MLP and its attention's RoPE; reads
+    classes and the config only, so a model on the meta device answers too."""
+    modules = list(layer.modules())
+    return FusedParts(any(_is_plain_norm(m) for m in modules), any(_is_swiglu(m) for m in modules),
+                      any(_is_rope_attention(m) for m in modules))
 
 
 def fuses_any(layers: Iterable[nn.Module]) -> bool:
@@ -79,7 +120,7 @@ def fused_count(layers: Iterable[nn.Module]) -> int:
 
 
 def fuse_decoder_kernels(layers: Iterable[nn.Module]) -> int:
-    """Binds Liger's RMSNorm and SwiGLU onto the matching submodules of ``layers``; returns how many it bound.
+    """Binds Liger's RMSNorm, SwiGLU and RoPE onto the matching submodules of ``layers``; returns how many it bound.
 
     A submodule that already has an instance ``forward`` (someone else's override) is left as it is.
     """
@@ -92,6 +133,8 @@ def fuse_decoder_kernels(layers: Iterable[nn.Module]) -> int:
                 module.forward = types.MethodType(_fused_norm, module)
             elif _is_swiglu(module):
                 module.forward = types.MethodType(_fused_mlp, module)
+            elif _is_rope_attention(module):
+                module.forward = types.MethodType(_fused_attention, module)
             else:
                 continue
             setattr(module, _MARK, True)

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from lightning_lazytrain.models.adapter import ModelAdapter
-from lightning_lazytrain.models.fused_kernels import fusable, fuses_any
+from lightning_lazytrain.models.fused_kernels import FusedParts, fusable, fuses_any
 
 from .gpus import GpuSpec
 from .layer_memory import analytic_layer_estimates, unique_numel
@@ -28,7 +28,13 @@ ACHIEVED_FRACTION = 0.58
 # a layer with Liger's norms and SwiGLU (``models/fused_kernels.py``) re-runs its forward in this share of HF's time:
 # 0.90-0.92 at batches 16-144 on an H200, 7B shape (benchmarks/results/layer_kernels_h200.json, "fwd_nograd_ms")
 FUSED_LAYER_TIME = 0.91
+# and with Liger's RoPE too, this share of that: 0.93 at batches 64 and 144, 0.96 at 16 (the same file, "liger+rope")
+FUSED_ROPE_TIME = 0.93
 DISK_READ, DISK_WRITE = 1.28e9, 0.51e9  # REFERENCE.md: the H200 machine's disk (no spill dir to measure)
+
+
+def _fused_speed(parts: FusedParts) -> float:
+    return (FUSED_LAYER_TIME if parts.norms and parts.mlp else 1.0) * (FUSED_ROPE_TIME if parts.rope else 1.0)
 
 
 def model_flops_per_step(num_params: int, num_layers: int, hidden: int, batch: int, seq: int) -> float:
@@ -46,7 +52,7 @@ def analytic_profile(
     fused: bool = False,
 ) -> Profile:
     """The profile ``profile_model`` would measure on ``gpu``, from FLOPs and the published figures; ``fused``: the
-    run binds Liger's kernels where a layer allows (smaller graphs; a layer with both parts fused runs faster).
+    run binds Liger's kernels where a layer allows (smaller graphs; a layer with fused parts runs faster).
 
     Works on a model built on the meta device (only shapes are read).
     """
@@ -55,7 +61,7 @@ def analytic_profile(
     tokens, types = batch * seq, adapter.layer_types()
     rate = gpu.bf16_tflops * 1e12 * achieved_fraction
     numel = [unique_numel(layer) for layer in adapter.layers]
-    speed = [FUSED_LAYER_TIME if fused and all(fusable(layer)) else 1.0 for layer in adapter.layers]
+    speed = [_fused_speed(fusable(layer)) if fused else 1.0 for layer in adapter.layers]
     forward = [
         speed[j] * (2.0 * numel[j] * tokens + _attention_flops(config, types[j], batch, seq)) / rate
         for j in range(adapter.num_layers)
@@ -67,7 +73,8 @@ def analytic_profile(
         f"{gpu.bf16_tflops:g} dense bf16 peak); link PCIe gen{gpu.pcie_gen} x16 at the H200's measured share"
     )
     if fused and fuses_any(adapter.layers):
-        scaling += f"; Liger's fused norm and SwiGLU where a layer allows (x{FUSED_LAYER_TIME} layer time)"
+        scaling += (f"; Liger's fused norm and SwiGLU where a layer allows (x{FUSED_LAYER_TIME} layer time), "
+                    f"and its RoPE (x{FUSED_ROPE_TIME} more)")
     if itemsize > 2:
         scaling += f"; fp32 layers run below the bf16 rate, so these {str(stream_dtype)[6:]} times are too short"
     return Profile(

@@ -19,7 +19,7 @@ import torch
 
 from lightning_lazytrain.engine.mlp_recompute import checkpointed_mlp
 from lightning_lazytrain.models.adapter import ModelAdapter
-from lightning_lazytrain.models.fused_kernels import fusable
+from lightning_lazytrain.models.fused_kernels import UNFUSED, FusedParts, fusable
 
 
 def unique_numel(module: torch.nn.Module) -> int:
@@ -62,12 +62,12 @@ def _mlp_per_token(config, itemsize: int) -> int:
 
 
 def analytic_layer_memory(config, layer_type: str, tokens: int, itemsize: int, param_bytes: int,
-                          fused: tuple[bool, bool] = (False, False)) -> tuple[int, int]:
+                          fused: FusedParts = UNFUSED) -> tuple[int, int]:
     """(graph bytes, peak working bytes) of one layer's forward+backward for ``tokens`` tokens, estimated.
 
-    ``fused`` (norms, MLP) says which parts run Liger's kernels (``models/fused_kernels.py``): its SwiGLU keeps
-    gate and up but not the activation (the product stays: it is the down projection's input), and its backward
-    writes one intermediate-sized gradient buffer fewer.
+    ``fused`` says which parts run Liger's kernels (``models/fused_kernels.py``): its SwiGLU keeps gate and up but
+    not the activation (the product stays: it is the down projection's input), and its backward writes one
+    intermediate-sized gradient buffer fewer. Its RoPE keeps what HF's keeps (measured the same, same file).
     """
     hidden, mlp = config.hidden_size, _mlp_width(config)
     graph = analytic_mlp_recompute_graph(config, layer_type, tokens, itemsize, fused_norms=fused[0])
@@ -112,13 +112,13 @@ def analytic_layer_estimates(adapter: ModelAdapter, tokens: int, itemsize: int, 
     aside). ``fused``: the run binds Liger's kernels where a layer allows (``fusable``)."""
     config, types = adapter.model.config, adapter.layer_types()
     layers = list(adapter.layers)
-    parts = [fusable(layer) if fused else (False, False) for layer in layers]
+    parts = [fusable(layer) if fused else UNFUSED for layer in layers]
     memory = [analytic_layer_memory(config, types[j], tokens, itemsize, unique_numel(layer) * itemsize, parts[j])
               for j, layer in enumerate(layers)]
     return LayerEstimates(
         graph_bytes=[graph for graph, _ in memory],
         working_bytes=[work for _, work in memory],
-        mlp_graph_bytes=[analytic_mlp_recompute_graph(config, t, tokens, itemsize, fused_norms=parts[j][0])
+        mlp_graph_bytes=[analytic_mlp_recompute_graph(config, t, tokens, itemsize, fused_norms=parts[j].norms)
                          for j, t in enumerate(types)],
         mlp_seconds=[2.0 * unique_numel(layer.mlp) * tokens / flops_per_s for layer in layers],
     )
