@@ -266,7 +266,9 @@ class LazyTrainStrategy(CheckpointingStrategy):
             self.executor.after_optimizer_step()
             stats = {**self.executor.take_stats(), "skipped_steps": float(self.resume.skipped_steps)}
             if self.resume.schedule_result is not None:
-                stats["predicted_exposed_s"] = float(self.resume.schedule_result.predicted_exposed_seconds)
+                plan = self.resume.schedule_result
+                stats["predicted_exposed_s"] = float(plan.predicted_exposed_seconds)
+                stats["predicted_stall_s"] = float(plan.predicted_stall_seconds)
             self.last_step_stats = stats
         return result
 

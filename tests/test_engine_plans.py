@@ -63,5 +63,8 @@ def test_milp_plan_solved_at_first_batch_written_and_trains_like_all_gpu(tmp_pat
     tiers = plan["tiers"]
     assert len(tiers) == 5 and tiers[0] == tiers[-1] == "gpu"
     assert set(tiers[1:-1]) != {"gpu"}, tiers
-    assert "predicted_exposed_s" in trainer.strategy.last_step_stats
+    stats, info = trainer.strategy.last_step_stats, plan["info"]
+    # the predicted link wait: the transfers the plan could not hide and the first layer's weight copy
+    assert stats["predicted_stall_s"] == pytest.approx(info["slack_seconds"] + info["step_start_seconds"])
+    assert info["step_start_seconds"] > 0 and "predicted_exposed_s" in stats
     assert rel_diff(lt.model, ref.model) <= 1e-6

@@ -72,3 +72,20 @@ def test_solver_prediction_is_its_plans_exposure():
     others = [predicted_exposure(p, ["gpu", a, b, c, "gpu"])["exposed_seconds"]
               for a in ("cpu", "nvme") for b in ("cpu", "nvme") for c in ("cpu", "nvme")]
     assert got == pytest.approx(min(others), rel=1e-6) and got > 0.1
+
+
+def test_predicted_stall_is_the_unhidden_transfers_and_the_step_start_weight_copy():
+    # the ends fill the 2 GiB GPU budget, so boundary 1 goes to the CPU: its reload has only the head (0.05 s of
+    # 1 GiB at 10 GiB/s exposed); the first layer's 0.5 GiB weight slot crosses at 10 GiB/s before anything runs
+    p = _problem(2)
+    p.slot_bytes = GIB // 2
+    s = solve(p, mip_gap=1e-9, engine_windows=True)
+    assert s.tiers == ["gpu", "cpu", "gpu"]
+    assert p.step_start_seconds == pytest.approx(0.05)
+    assert s.predicted_stall_seconds == pytest.approx(0.05 + 0.05, rel=1e-6)
+    # re-forwards are compute, not stall: a recompute plan's stall is the weight copy alone
+    p.cpu_budget_bytes = p.nvme_budget_bytes = 0
+    p.max_recompute_span = 2
+    s = solve(p, mip_gap=1e-9, engine_windows=True)
+    assert s.tiers == ["gpu", "recompute", "gpu"] and s.predicted_exposed_seconds == pytest.approx(0.1)
+    assert s.predicted_stall_seconds == pytest.approx(0.05, rel=1e-6)

@@ -115,6 +115,12 @@ class Schedule:
         return list(zip(kept[:-1], kept[1:]))
 
     @property
+    def predicted_stall_seconds(self) -> float:
+        """Seconds the planner predicts the compute waits for the link a step (``info``'s transfers it could not
+        hide and the step-start weight copy; 0 for a plan no solver priced). Re-forwards are compute, not stall."""
+        return self.info.get("slack_seconds", 0.0) + self.info.get("step_start_seconds", 0.0)
+
+    @property
     def max_block(self) -> int:
         return max((e - s for s, e in self.blocks()), default=1)
 

@@ -218,7 +218,8 @@ def _extract(p: ScheduleProblem, m: pyo.ConcreteModel, res, status: str, t_build
     recompute = sum(p.recompute_seconds(s, e) for s, e in sched.blocks())
     slack = _val(m.slack)
     sched.predicted_exposed_seconds = recompute + slack
-    sched.info = {"recompute_seconds": recompute, "slack_seconds": slack, "mip_gap": gap,
+    sched.info = {"recompute_seconds": recompute, "slack_seconds": slack, "step_start_seconds": p.step_start_seconds,
+                  "mip_gap": gap,
                   "best_bound": None if bound is None else float(bound), "build_seconds": round(t_build, 4),
                   "solve_seconds": round(t_total, 4),
                   "num_binaries": len(m._edges) + 3 * len(m._inner) + len(m.k) + len(m.r),

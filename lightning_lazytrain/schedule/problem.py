@@ -142,6 +142,13 @@ class ScheduleProblem:
     def num_layers(self) -> int:
         return len(self.activation_bytes) - 1
 
+    @property
+    def step_start_seconds(self) -> float:
+        """The first layer's weight copy at each step's start: it can begin only once that layer's update landed,
+        and the GPU has nothing but the embedding to run beside it, so it is exposed whatever the plan (one
+        ``slot_bytes`` over the H2D link; 0 where the slot size is not given)."""
+        return self.slot_bytes / self.h2d_bytes_per_s
+
     def recompute_seconds(self, s: int, e: int) -> float:
         """R(s, e): re-forward time of block (s, e); its last layer runs with grad anyway, so it is free."""
         return float(sum(self.forward_seconds[s : e - 1]))
