@@ -3,13 +3,14 @@
 HF's RMSNorm makes an fp32 copy of its input and five more passes over it, and the MLP writes ``act(gate)`` and the
 product as two more intermediate-sized tensors; autograd keeps most of them. Liger-Kernel (the kernels TRL's and
 axolotl's ``use_liger_kernel`` turn on) does each in one pass and keeps only the inputs (and one fp32 value per row
-of a norm); its RoPE rotates q and k in place in one pass where HF writes four tensors. So a layer's forward and
-backward run faster and its kept graph is smaller.
+of a norm); its RoPE rotates q and k in place in one pass where HF writes several q- and k-sized temporaries. So a
+layer's forward and backward run faster and its kept graph is smaller.
 
 Only what the engine streams is changed, and only per instance: a ``forward`` bound method in the module's
 ``__dict__`` (bound, so that a ``copy.deepcopy`` of a layer, as the profiler makes, runs with its own weights). It
-covers the norms and the MLP of each decoder layer, for the classes whose arithmetic Liger's "llama" casting mode
-reproduces (``weight * (x * rsqrt(mean(x²) + eps)).to(dtype)``; a SiLU-gated MLP without bias). The final norm keeps
+covers the norms, the MLP and the attention of each decoder layer, for the classes whose arithmetic Liger's "llama"
+casting mode reproduces (``weight * (x * rsqrt(mean(x²) + eps)).to(dtype)``; a SiLU-gated MLP without bias; RoPE
+over the whole head, ``rotate_half`` style). The final norm keeps
 the engine's own override; classes, parameters and ``state_dict`` are untouched, and ``unfuse_decoder_kernels``
 takes every override away again.
 
