@@ -258,6 +258,9 @@ def _version(distribution: str) -> str | None:
 
 
 def commit() -> str:
+    """``LAZYTRAIN_COMMIT``, else the checkout's HEAD. On the lent device machine the copied tree's git named an older
+    HEAD than the tree that ran (2026-12-06), so write the local commit into the command there, not a
+    ``$(git rev-parse ...)`` that the device evaluates."""
     if os.environ.get("LAZYTRAIN_COMMIT"):
         return os.environ["LAZYTRAIN_COMMIT"]
     try:
