@@ -34,7 +34,10 @@ DISK_READ, DISK_WRITE = 1.28e9, 0.51e9  # REFERENCE.md: the H200 machine's disk 
 
 
 def _fused_speed(parts: FusedParts) -> float:
-    return (FUSED_LAYER_TIME if parts.norms and parts.mlp else 1.0) * (FUSED_ROPE_TIME if parts.rope else 1.0)
+    # only the measured layer (dense, norms and SwiGLU fused) is scaled: in an MoE layer the experts dominate
+    if not (parts.norms and parts.mlp):
+        return 1.0
+    return FUSED_LAYER_TIME * (FUSED_ROPE_TIME if parts.rope else 1.0)
 
 
 def model_flops_per_step(num_params: int, num_layers: int, hidden: int, batch: int, seq: int) -> float:
