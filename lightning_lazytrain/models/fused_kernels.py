@@ -101,18 +101,22 @@ class FusedParts(NamedTuple):
 
 UNFUSED = FusedParts(False, False, False)
 
+#: per part of ``FusedParts``, in its order: the name users read, which submodules match, what is bound to them
+_BINDINGS = (("norm", _is_plain_norm, _fused_norm), ("SwiGLU", _is_swiglu, _fused_mlp),
+             ("RoPE", _is_rope_attention, _fused_attention))
+
 
 def fusable(layer: nn.Module) -> FusedParts:
     """Whether ``fuse_decoder_kernels`` would bind the layer's norms, its MLP and its attention's RoPE; reads
     classes and the config only, so a model on the meta device answers too."""
     modules = list(layer.modules())
-    return FusedParts(any(_is_plain_norm(m) for m in modules), any(_is_swiglu(m) for m in modules),
-                      any(_is_rope_attention(m) for m in modules))
+    return FusedParts(*(any(matches(m) for m in modules) for _, matches, _ in _BINDINGS))
 
 
-def fuses_any(layers: Iterable[nn.Module]) -> bool:
-    """Whether ``fuse_decoder_kernels`` would bind anything in ``layers``."""
-    return any(any(fusable(layer)) for layer in layers)
+def fused_part_names(layers: Iterable[nn.Module]) -> list[str]:
+    """The parts ``fuse_decoder_kernels`` would bind in any of ``layers``, by name ("norm", "SwiGLU", "RoPE")."""
+    parts = [fusable(layer) for layer in layers]
+    return [name for k, (name, _, _) in enumerate(_BINDINGS) if any(p[k] for p in parts)]
 
 
 def fused_count(layers: Iterable[nn.Module]) -> int:
@@ -130,14 +134,10 @@ def fuse_decoder_kernels(layers: Iterable[nn.Module]) -> int:
         for module in layer.modules():
             if "forward" in module.__dict__:
                 continue
-            if _is_plain_norm(module):
-                module.forward = types.MethodType(_fused_norm, module)
-            elif _is_swiglu(module):
-                module.forward = types.MethodType(_fused_mlp, module)
-            elif _is_rope_attention(module):
-                module.forward = types.MethodType(_fused_attention, module)
-            else:
+            forward = next((bound for _, matches, bound in _BINDINGS if matches(module)), None)
+            if forward is None:
                 continue
+            module.forward = types.MethodType(forward, module)
             setattr(module, _MARK, True)
             count += 1
     return count

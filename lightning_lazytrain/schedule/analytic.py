@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from lightning_lazytrain.models.adapter import ModelAdapter
-from lightning_lazytrain.models.fused_kernels import FusedParts, fusable, fuses_any
+from lightning_lazytrain.models.fused_kernels import FusedParts, fusable, fused_part_names
 
 from .gpus import GpuSpec
 from .layer_memory import analytic_layer_estimates, unique_numel
@@ -75,7 +75,7 @@ def analytic_profile(
         f"analytic: layer FLOPs / {rate / 1e12:.0f} TFLOP/s ({achieved_fraction:.2f} of {gpu.name}'s "
         f"{gpu.bf16_tflops:g} dense bf16 peak); link PCIe gen{gpu.pcie_gen} x16 at the H200's measured share"
     )
-    if fused and fuses_any(adapter.layers):
+    if fused and fused_part_names(adapter.layers):
         scaling += (f"; Liger's fused norm and SwiGLU where a layer allows (x{FUSED_LAYER_TIME} layer time), "
                     f"and its RoPE (x{FUSED_ROPE_TIME} more)")
     if itemsize > 2:

@@ -70,9 +70,9 @@ def analytic_layer_memory(config, layer_type: str, tokens: int, itemsize: int, p
     intermediate-sized gradient buffer fewer. Its RoPE keeps what HF's keeps (measured the same, same file).
     """
     hidden, mlp = config.hidden_size, _mlp_width(config)
-    graph = analytic_mlp_recompute_graph(config, layer_type, tokens, itemsize, fused_norms=fused[0])
-    graph += tokens * (_mlp_per_token(config, itemsize) - (itemsize * mlp if fused[1] else 0))
-    gradients = (1 if fused[1] else 2) * mlp + 2 * hidden  # gate/up gradients, input gradient, output
+    graph = analytic_mlp_recompute_graph(config, layer_type, tokens, itemsize, fused_norms=fused.norms)
+    graph += tokens * (_mlp_per_token(config, itemsize) - (itemsize * mlp if fused.mlp else 0))
+    gradients = (1 if fused.mlp else 2) * mlp + 2 * hidden  # gate/up gradients, input gradient, output
     return graph, graph + tokens * itemsize * gradients + param_bytes
 
 

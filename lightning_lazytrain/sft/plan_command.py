@@ -23,7 +23,7 @@ import psutil
 import torch
 
 from lightning_lazytrain.models.adapter import UnsupportedModelError, adapter_for
-from lightning_lazytrain.models.fused_kernels import fusable
+from lightning_lazytrain.models.fused_kernels import fused_part_names
 from lightning_lazytrain.schedule.analytic import analytic_profile, scale_profile
 from lightning_lazytrain.schedule.batch_search import largest_batch
 from lightning_lazytrain.schedule.disk import checkpoints_kept, free_bytes
@@ -148,9 +148,7 @@ def _kernels(run: RunSpec) -> str:
     """Which kernels the streamed layers will run, in words."""
     if not run.kernels_fused:
         return "HF's own"
-    parts = [fusable(layer) for layer in run.adapter.layers]
-    names = [name for name, field in (("norm", "norms"), ("SwiGLU", "mlp"), ("RoPE", "rope"))
-             if any(getattr(p, field) for p in parts)]
+    names = fused_part_names(run.adapter.layers)
     if not names:
         return "HF's own (Liger's kernels cover no layer of this family)"
     return "Liger's fused " + (f"{', '.join(names[:-1])} and {names[-1]}" if len(names) > 1 else names[0])
