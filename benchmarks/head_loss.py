@@ -4,7 +4,8 @@
     PYTHONPATH=<other checkout> python benchmarks/head_loss.py ...   # the same for another version of the library
 
 Rows of ``--rows`` tokens through a head of ``--vocab`` x ``--hidden``, in chunks of ``--chunk-mib`` of fp32 logits;
-the median of ``--reps`` runs after one warm-up.
+the median of ``--reps`` runs after one warm-up. ``--dtype bfloat16`` is the engine's case: a bf16 head and hidden
+state under bf16 autocast.
 """
 
 from __future__ import annotations
@@ -24,24 +25,30 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--chunk-mib", type=int, default=64)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
-    hidden = torch.randn(1, args.rows, args.hidden, generator=gen).to(DEVICE).requires_grad_()
-    weight = (torch.randn(args.vocab, args.hidden, generator=gen) * 0.02).to(DEVICE).requires_grad_()
+    dtype = getattr(torch, args.dtype)
+    hidden = torch.randn(1, args.rows, args.hidden, generator=gen).to(DEVICE, dtype).requires_grad_()
+    weight = (torch.randn(args.vocab, args.hidden, generator=gen) * 0.02).to(DEVICE, dtype).requires_grad_()
     labels = torch.randint(0, args.vocab, (1, args.rows), generator=gen).to(DEVICE)
     chunk = args.chunk_mib << 20
 
+    autocast = torch.autocast(DEVICE, dtype=dtype, enabled=dtype != torch.float32)
+
     def forward_backward() -> None:
         hidden.grad = weight.grad = None
-        chunked_causal_lm_loss(hidden, weight, labels, chunk_bytes=chunk).backward()
+        with autocast:
+            loss = chunked_causal_lm_loss(hidden, weight, labels, chunk_bytes=chunk)
+        loss.backward()
 
     def forward_only() -> None:
-        with torch.no_grad():
+        with torch.no_grad(), autocast:
             chunked_causal_lm_loss(hidden, weight, labels, chunk_bytes=chunk)
 
     row = {"rows": args.rows, "hidden": args.hidden, "vocab": args.vocab, "chunk_mib": args.chunk_mib,
-           "threads": torch.get_num_threads(),
+           "dtype": args.dtype, "threads": torch.get_num_threads(),
            "forward_backward_s": median_seconds(forward_backward, args.reps, warm=1),
            "forward_no_grad_s": median_seconds(forward_only, args.reps, warm=1)}
     write_results(args.out, {"rows": [row]})

@@ -68,3 +68,20 @@ def test_a_frozen_head_gets_no_weight_gradient():
     ref = h.clone().requires_grad_()
     _reference(ref, w, labels).backward()
     assert w.grad is None and _close(hh.grad, ref.grad)
+
+
+@pytest.mark.parametrize("chunk_rows", [3, 1000])
+def test_bf16_autocast_gradients_are_the_float64_ones_to_bf16_rounding(chunk_rows):
+    """The engine's case: a bf16 head under autocast, fp32 logits, each chunk's weight gradient added in fp32."""
+    h, w, labels = _inputs(batch=4, seq=16, hidden=32, vocab=53)
+    hb, wb = h.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = chunked_causal_lm_loss(hb, wb, labels, chunk_bytes=chunk_rows * 4 * w.shape[0])
+    loss.backward()
+    h64, w64 = hb.detach().double().requires_grad_(), wb.detach().double().requires_grad_()
+    ref = _reference(h64, w64, labels)
+    ref.backward()
+    assert loss.dtype == torch.float32 and hb.grad.dtype == wb.grad.dtype == torch.bfloat16
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-2)
+    for got, want in ((hb.grad, h64.grad), (wb.grad, w64.grad)):
+        assert (got.double() - want).abs().max() <= 2e-2 * want.abs().max()
