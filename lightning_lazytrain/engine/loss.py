@@ -9,8 +9,6 @@ and none are computed twice.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -34,7 +32,6 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         grad_weight = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
                        if with_grads and ctx.needs_input_grad[1] else None)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        log_denom = math.log(denom)
         for start in range(0, hidden.shape[0], chunk_rows):
             h = hidden[start : start + chunk_rows]
             tgt = targets[start : start + chunk_rows, None]
@@ -43,10 +40,9 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             total += (lse - logits.gather(1, tgt).squeeze(1)).sum()
             if grad_hidden is None and grad_weight is None:
                 continue
-            # softmax / denom in the logits' own memory, in one pass: exp(logit - lse - log(denom))
-            dlogits = logits.sub_((lse + log_denom)[:, None]).exp_()
-            dlogits.scatter_add_(1, tgt, torch.full_like(dlogits[:, :1], -1.0 / denom))
-            dlogits = dlogits.to(compute_dtype)
+            probs = logits.sub_(lse[:, None]).exp_()  # the softmax, in the logits' own memory
+            probs.scatter_add_(1, tgt, -torch.ones_like(probs[:, :1]))
+            dlogits = probs.mul_(1.0 / denom).to(compute_dtype)
             if grad_hidden is not None:
                 grad_hidden[start : start + h.shape[0]] = (dlogits @ w).to(hidden.dtype)
             if grad_weight is not None:
