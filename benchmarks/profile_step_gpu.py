@@ -29,7 +29,7 @@ import threading
 import time
 
 import torch
-from common import GPU, RandomTokens, StepTimer, cap_gpu_memory, run_fit, write_results
+from common import GPU, RandomTokens, StepTimer, cap_gpu_memory, qwen_config, run_fit, write_results
 from systems import SYSTEMS, build
 
 import lightning_lazytrain
@@ -130,8 +130,8 @@ def main() -> None:
         cap_gpu_memory(args.cap_gib)
     run = build(args.system, args.shape, args.batch, {})
     timer = ProfiledStep(args.warmup)
-    run_fit(run.module, run.strategy, run.precision, RandomTokens(args.warmup + 2, args.batch, SEQ), timer,
-            **run.trainer_kw)
+    data = RandomTokens(args.warmup + 2, args.batch, SEQ, qwen_config(args.shape).vocab_size)
+    run_fit(run.module, run.strategy, run.precision, data, timer, **run.trainer_kw)
     prof = timer.prof
     trace = args.out + ".trace.json"
     prof.export_chrome_trace(trace)

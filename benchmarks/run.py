@@ -52,7 +52,8 @@ def _num_params(shape: str) -> int:
 def _fit(system: str, shape: str, batch: int, steps: int, timer: StepTimer, host_cache: dict, fp32_adamw: bool):
     run = build(system, shape, batch, host_cache, fp32_adamw=fp32_adamw)
     try:
-        run_fit(run.module, run.strategy, run.precision, RandomTokens(steps, batch, SEQ), timer, **run.trainer_kw)
+        data = RandomTokens(steps, batch, SEQ, qwen_config(shape).vocab_size)
+        run_fit(run.module, run.strategy, run.precision, data, timer, **run.trainer_kw)
     finally:
         gc.collect()
     return run
