@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from lightning_lazytrain.models.adapter import ModelAdapter
-from lightning_lazytrain.models.fused_kernels import FusedParts, fusable, fused_part_names
+from lightning_lazytrain.models.fused_kernels import UNFUSED, FusedParts, fusable
 
 from .gpus import GpuSpec
 from .layer_memory import analytic_layer_estimates, unique_numel
@@ -64,7 +64,8 @@ def analytic_profile(
     tokens, types = batch * seq, adapter.layer_types()
     rate = gpu.bf16_tflops * 1e12 * achieved_fraction
     numel = [unique_numel(layer) for layer in adapter.layers]
-    speed = [_fused_speed(fusable(layer)) if fused else 1.0 for layer in adapter.layers]
+    parts = [fusable(layer) if fused else UNFUSED for layer in adapter.layers]
+    speed = [_fused_speed(p) for p in parts]
     forward = [
         speed[j] * (2.0 * numel[j] * tokens + _attention_flops(config, types[j], batch, seq)) / rate
         for j in range(adapter.num_layers)
@@ -75,7 +76,7 @@ def analytic_profile(
         f"analytic: layer FLOPs / {rate / 1e12:.0f} TFLOP/s ({achieved_fraction:.2f} of {gpu.name}'s "
         f"{gpu.bf16_tflops:g} dense bf16 peak); link PCIe gen{gpu.pcie_gen} x16 at the H200's measured share"
     )
-    if fused and fused_part_names(adapter.layers):
+    if any(any(p) for p in parts):
         scaling += (f"; Liger's fused norm and SwiGLU where a layer allows (x{FUSED_LAYER_TIME} layer time), "
                     f"and its RoPE (x{FUSED_ROPE_TIME} more)")
     if itemsize > 2:
