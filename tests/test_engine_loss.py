@@ -85,3 +85,17 @@ def test_bf16_autocast_gradients_are_the_float64_ones_to_bf16_rounding(chunk_row
     assert loss.item() == pytest.approx(ref.item(), rel=1e-2)
     for got, want in ((hb.grad, h64.grad), (wb.grad, w64.grad)):
         assert (got.double() - want).abs().max() <= 2e-2 * want.abs().max()
+
+
+@pytest.mark.parametrize("bad", [37, -2])
+def test_a_label_outside_the_vocabulary_is_named(bad):
+    h, w, labels = _inputs()
+    labels[1, 5] = bad
+    with pytest.raises(ValueError, match=f"label {bad} is outside the head's vocabulary of 37 tokens"):
+        chunked_causal_lm_loss(h, w, labels)
+
+
+def test_the_triton_kernel_is_refused_off_cuda():
+    h, w, labels = _inputs()
+    with pytest.raises(ValueError, match="the loss kernel runs on CUDA only; the head is on cpu"):
+        chunked_causal_lm_loss(h, w, labels, kernel=True)
