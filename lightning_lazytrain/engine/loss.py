@@ -37,12 +37,12 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                        if with_grads and ctx.needs_input_grad[1] else None)
         wants_grads = grad_hidden is not None or grad_weight is not None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        if kernel:
+            from lightning_lazytrain.engine.loss_kernel import row_loss_and_grad_
         for start in range(0, hidden.shape[0], chunk_rows):
             h = hidden[start : start + chunk_rows].to(compute_dtype)
             tgt = targets[start : start + chunk_rows]
             if kernel:
-                from lightning_lazytrain.engine.loss_kernel import row_loss_and_grad_
-
                 dlogits = h @ w.t()
                 total += row_loss_and_grad_(dlogits, tgt, 1.0 / denom, wants_grads).sum()
             else:
