@@ -80,6 +80,8 @@ class LazyTrainStrategy(CheckpointingStrategy):
         fused_kernels: ``"auto"`` (default) runs the decoder layers' RMSNorm, SwiGLU MLP and RoPE through Liger-Kernel's
             Triton kernels when on CUDA with ``liger-kernel`` installed (faster, smaller graphs; bf16 rounding differs
             from HF's by what TRL's ``use_liger_kernel`` differs); ``"liger"`` insists; ``"none"`` runs HF's own.
+            Apart from it, the head's loss runs lazytrain's own Triton kernel on CUDA where Triton is importable
+            (``engine/loss_kernel.py``); ``"none"`` turns that off too, so no Triton kernel runs at all.
         force_distributed: run the multi-process path even with one process (``devices=1``, one node): a process
             group of one rank (NCCL on CUDA, gloo on the CPU), sharded store, updates and checkpoints. For testing
             and timing that path on one device; it trains to the same weights as the default one-process path.
@@ -184,6 +186,7 @@ class LazyTrainStrategy(CheckpointingStrategy):
                 num_slots=self.num_slots, prefetch_depth=self.prefetch_depth, pin_memory=pin,
                 timeout_s=self.timeout_s, spill_dir=self.plan_settings.spill_dir, store_factory=self.store_factory,
                 fused_kernels=use_fused_kernels(self.fused_kernels, self.root_device.type),
+                loss_kernel=False if self.fused_kernels == "none" else None,
             )
             self.generation = EvalGeneration(self.executor, self.generation_mode)
         fitting = trainer.state.fn == TrainerFn.FITTING

@@ -9,6 +9,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="triton (the test extra) ships Linux wheels only")
+
 CHILD = r"""
 import json, sys, torch
 from lightning_lazytrain.engine.loss_kernel import MAX_BLOCK, row_loss_and_grad_

@@ -115,3 +115,19 @@ def test_the_rope_kernel_replaces_hfs_only_inside_the_bound_attention(family, mo
     with pytest.raises(RuntimeError):
         attention(hidden[:, :, :-1], rotary, None)
     assert modeling.apply_rotary_pos_emb is hf_rope
+
+
+@pytest.mark.parametrize(("mode", "kernel"), [("auto", None), ("none", False)])
+def test_none_also_keeps_the_head_loss_off_triton(mode, kernel, monkeypatch):
+    """``fused_kernels="none"`` is the way to run no Triton kernel at all, the loss's own included."""
+    from lightning_lazytrain.engine import hooks
+
+    seen, real = [], hooks.chunked_causal_lm_loss
+
+    def spy(*args, **kwargs):
+        seen.append(args[5])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hooks, "chunked_causal_lm_loss", spy)
+    train(tiny_model("qwen2"), batches(1), strategy=LazyTrainStrategy(fused_kernels=mode), max_steps=1)
+    assert seen and set(seen) == {kernel}

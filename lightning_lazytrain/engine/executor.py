@@ -50,11 +50,13 @@ class StreamingExecutor:
         spill_dir: str | None = None,
         store_factory: Callable[..., HostParamStore] = HostParamStore,
         fused_kernels: bool = False,
+        loss_kernel: bool | None = None,
     ) -> None:
         if getattr(adapter.lm_head, "bias", None) is not None:
             raise ValueError("lazytrain's chunked loss supports a bias-free lm_head only (all supported families)")
         self.adapter, self.device = adapter, device
         self.prefetch_depth, self.loss_chunk_bytes = prefetch_depth, loss_chunk_bytes
+        self.loss_kernel = loss_kernel  # the head loss's Triton kernel (``loss_kernel.py``); None: where it can run
         self.spill_dir, self.timeout_s = spill_dir, timeout_s
         self.queues = DeviceQueues(device)
         self.layers: list[nn.Module] = list(adapter.layers)

@@ -38,6 +38,7 @@ class HookedRunner(Protocol):
     adapter: ModelAdapter
     device: torch.device
     loss_chunk_bytes: int
+    loss_kernel: bool | None
     resident_unit: ParamUnit
 
     def record(self, index: int, call: LayerCall) -> None: ...
@@ -163,7 +164,7 @@ def _causal_lm_forward(runner: HookedRunner, original_forward: Any):
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **kwargs
         )
         hidden, weight = out.last_hidden_state, runner.head_weight()
-        loss = chunked_causal_lm_loss(hidden, weight, labels, num_items, runner.loss_chunk_bytes)
+        loss = chunked_causal_lm_loss(hidden, weight, labels, num_items, runner.loss_chunk_bytes, runner.loss_kernel)
         accuracy = None
         if not torch.is_grad_enabled():
             accuracy = chunked_token_accuracy(hidden, weight, labels, runner.loss_chunk_bytes)
