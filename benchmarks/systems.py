@@ -27,7 +27,7 @@ SYSTEMS = ("gpu-resident", "gpu-resident-ckpt", "gpu-resident-liger", "gpu-resid
 OVERLAPPED = {
     "lazytrain": ({}, ""),
     # the A/B of Liger's fused norm and SwiGLU, which "lazytrain" runs by default where liger-kernel is installed
-    "lazytrain-hf-kernels": ({"fused_kernels": "none"}, ", HF's own norm and MLP kernels"),
+    "lazytrain-hf-kernels": ({"fused_kernels": "none"}, ", HF's own norm and MLP kernels, the torch loss"),
     # issue 17: the multi-process path (process group, sharded sink, reduce-scatter) on one GPU
     "lazytrain-one-rank-nccl": ({"force_distributed": True}, ", force_distributed=True (one-rank NCCL)"),
     "lazytrain-gpu-updates": ({"device_update_share": None}, ", a measured share of the updates on the GPU"),
