@@ -46,7 +46,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 dlogits = h @ w.t()
                 total += row_loss_and_grad_(dlogits, tgt, 1.0 / denom, wants_grads).sum()
             else:
-                dlogits = _torch_loss_and_grad(h, w, tgt[:, None], denom, autocast_dtype, total, wants_grads)
+                chunk_loss, dlogits = _torch_loss_and_grad(h, w, tgt[:, None], denom, autocast_dtype, wants_grads)
+                total += chunk_loss
             if grad_hidden is not None:
                 grad_hidden[start : start + h.shape[0]] = (dlogits @ w).to(hidden.dtype)
             if grad_weight is not None:
@@ -70,17 +71,17 @@ class _ChunkedHeadLoss(torch.autograd.Function):
 
 
 def _torch_loss_and_grad(h: torch.Tensor, w: torch.Tensor, tgt: torch.Tensor, denom: float,
-                         autocast_dtype: torch.dtype | None, total: torch.Tensor,
-                         wants_grads: bool) -> torch.Tensor | None:
-    """Adds the chunk's summed loss to ``total``; returns its logits gradient in the compute dtype (or None)."""
+                         autocast_dtype: torch.dtype | None,
+                         wants_grads: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The chunk's summed loss, and its logits gradient in the compute dtype (None without ``wants_grads``)."""
     logits = _logits(h, w, autocast_dtype)
     lse = torch.logsumexp(logits, dim=-1)
-    total += (lse - logits.gather(1, tgt).squeeze(1)).sum()
+    chunk_loss = (lse - logits.gather(1, tgt).squeeze(1)).sum()
     if not wants_grads:
-        return None
+        return chunk_loss, None
     probs = logits.sub_(lse[:, None]).exp_()  # the softmax, in the logits' own memory
     probs.scatter_add_(1, tgt, -torch.ones_like(probs[:, :1]))
-    return probs.mul_(1.0 / denom).to(h.dtype)
+    return chunk_loss, probs.mul_(1.0 / denom).to(h.dtype)
 
 
 def _add_weight_grad(grad_weight: torch.Tensor, dlogits: torch.Tensor, h: torch.Tensor) -> None:
