@@ -68,17 +68,20 @@ class OomLadder:
         accumulation cannot be run again), a rung left."""
         return step < self.steps and accumulate_grad_batches == 1 and self.rung < len(RUNGS)
 
-    def plan_after_oom(self, executor: StreamingExecutor, settings, shape: tuple[int, int] | None) -> Schedule | None:
+    def plan_after_oom(self, executor: StreamingExecutor, settings, shape: tuple[int, int] | None,
+                       failure: BaseException | None = None) -> Schedule | None:
         """The next rung's plan, or None when no rung changes the plan. Call it once the failed step's device
         memory is released: an MILP rung budgets from what is free then."""
         milp = settings.kind() == "milp" and shape is not None
         resolve = milp_resolver(settings, executor, shape) if milp else None
-        return self.next_plan(executor.plan, settings.spill_dir, resolve)
+        return self.next_plan(executor.plan, settings.spill_dir, resolve, failure)
 
     def next_plan(
-        self, plan: Schedule, spill_dir: str | None, resolve: Callable[[float], Schedule | None] | None
+        self, plan: Schedule, spill_dir: str | None, resolve: Callable[[float], Schedule | None] | None,
+        failure: BaseException | None = None,
     ) -> Schedule | None:
-        """The plan of the next rung that changes ``plan``, or None when none is left."""
+        """The plan of the next rung that changes ``plan``, or None when none is left. The log names the failed
+        allocation, the one number that tells a plan's under-count from fragmentation."""
         while self.rung < len(RUNGS):
             name, self.rung = RUNGS[self.rung], self.rung + 1
             if name == RUNGS[0]:
@@ -90,14 +93,20 @@ class OomLadder:
             if not candidate.same_placement(plan):
                 self.taken.append(name)
                 log.warning(
-                    "lazytrain: out of GPU memory; fallback rung %d (%s): plan %s, %d kept graphs",
+                    "lazytrain: out of GPU memory; fallback rung %d (%s): plan %s, %d kept graphs; it failed at: %s",
                     self.rung,
                     name,
                     candidate.counts(),
                     candidate.graph_layers,
+                    _first_sentences(failure),
                 )
                 return candidate
         return None
+
+
+def _first_sentences(failure: BaseException | None) -> str:
+    """CUDA's message up to the device totals ("CUDA out of memory. Tried to allocate 2.03 GiB")."""
+    return str(failure).split(". GPU")[0] if failure is not None else "unknown"
 
 
 def milp_resolver(settings, executor: StreamingExecutor, shape: tuple[int, int]) -> Callable[[float], Schedule]:

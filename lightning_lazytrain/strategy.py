@@ -261,10 +261,12 @@ class LazyTrainStrategy(CheckpointingStrategy):
             self.executor.discard_step()
             if self.root_device.type == "cuda":
                 torch.cuda.empty_cache()
-            plan = self.oom_ladder.plan_after_oom(self.executor, self.plan_settings, self.resume.plan_shape)
+            plan = self.oom_ladder.plan_after_oom(self.executor, self.plan_settings, self.resume.plan_shape, failure)
             if plan is None:
                 raise gpu_out_of_memory(failure, self._free(), self.resume.plan_shape, self.executor.plan) from failure
             self.executor.set_plan(plan, self.num_slots)
+            if self.resume.plan_shape is not None:  # an MILP run: checkpoints save, and resume with, the plan that fit
+                self.resume.schedule_result = plan
         if self.executor is not None:
             self.executor.after_optimizer_step()
             stats = {**self.executor.take_stats(), "skipped_steps": float(self.resume.skipped_steps)}

@@ -1,5 +1,8 @@
 """ActivationHomes on the CPU: the same code path as on the GPU, with real spill files."""
 
+import collections
+import contextlib
+import dataclasses
 import errno
 import os
 import subprocess
@@ -169,3 +172,55 @@ def test_stalled_spill_write_times_out_naming_the_boundary(tmp_path, monkeypatch
     release.set()
     store.close()
     assert os.listdir(tmp_path) == []
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mark:
+    """A fake event: the stream it was recorded on and how much work had been queued there by then."""
+
+    stream: str
+    queued: int
+
+    def query(self) -> bool:
+        return True
+
+
+class _NamedStreamQueues(DeviceQueues):
+    """CPU queues whose streams have names and whose events say where and after how much work they were recorded,
+    so the order the GPU would see can be checked without one."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+        self.h2d, self.d2h, self.reload = "h2d", "d2h", "reload"
+        self.queued: collections.Counter[str] = collections.Counter()
+        self.compute_waits: list[_Mark] = []
+
+    def record(self, stream=None, timing=False):
+        name = stream or "compute"
+        return _Mark(name, self.queued[name])
+
+    def wait(self, event, stream=None):
+        if event is not None and stream is None:
+            self.compute_waits.append(event)
+
+    @contextlib.contextmanager
+    def on(self, stream):
+        yield
+        self.queued[stream] += 1
+
+
+@pytest.mark.parametrize("home", ["cpu", "nvme"])
+def test_compute_waits_for_the_reload_on_the_stream_that_ran_it(tmp_path, home):
+    """The reload copy runs on the reload stream; ``get`` must order the compute stream after that copy, not after
+    whatever the weight stream has done (an event there lets compute read a half-copied boundary on a GPU)."""
+    queues = _NamedStreamQueues()
+    store = ActivationHomes(queues, ["gpu", home, "gpu"], PinnedAllocator(False), str(tmp_path))
+    x = torch.randn(4, 8)
+    store.put(1, x)
+    store.flush()
+    got = store.get(1)
+    assert torch.equal(got, x)
+    reload_done = _Mark("reload", queues.queued["reload"])
+    assert reload_done.queued == 1
+    assert reload_done in queues.compute_waits, queues.compute_waits
+    store.close()

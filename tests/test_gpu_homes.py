@@ -15,6 +15,9 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 import lightning_lazytrain  # noqa: F401
 from lightning_lazytrain import LazyTrainStrategy
+from lightning_lazytrain.engine.activations.homes import ActivationHomes
+from lightning_lazytrain.engine.device import DeviceQueues
+from lightning_lazytrain.engine.weights.pinned import PinnedAllocator
 from lightning_lazytrain.schedule import Schedule
 
 pytestmark = pytest.mark.gpu
@@ -123,3 +126,20 @@ def test_3b_plan_with_cpu_and_nvme_homes_predicted_vs_measured_stall(tmp_path):
     print(f"GPU from CUDA events: layers busy {busy_s:.3f} s, idle inside the stack {idle_s:.3f} s")
     assert 0 < busy_s and 0 <= idle_s and busy_s + idle_s <= step_s
     assert os.listdir(spill) == []
+
+
+@pytest.mark.parametrize("home", ["cpu", "nvme"])
+def test_gpu_compute_reads_a_reloaded_boundary_only_after_its_copy(tmp_path, home):
+    """The reload stream is held back by a long sleep kernel queued on it before the reload: what the compute
+    stream reads from ``get`` is still the boundary, because it waits for the reload stream, not the weight one."""
+    queues = DeviceQueues(torch.device("cuda"))
+    store = ActivationHomes(queues, ["gpu", home, "gpu"], PinnedAllocator(True), str(tmp_path))
+    x = torch.randn(2048, 4096, device="cuda")
+    store.put(1, x)
+    store.flush()
+    with torch.cuda.stream(queues.reload):
+        torch.cuda._sleep(2_000_000_000)  # about a second of GPU clock cycles
+    seen = store.get(1).clone()
+    torch.cuda.synchronize()
+    assert torch.equal(seen, x)
+    store.close()

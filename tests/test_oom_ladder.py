@@ -39,6 +39,8 @@ def test_three_ooms_walk_the_rungs_and_training_matches_plain(caplog, tmp_path, 
     assert left["n"] == 0 and strategy.oom_ladder.taken == list(RUNGS)
     rungs = [r.getMessage() for r in caplog.records if "fallback rung" in r.getMessage()]
     assert [m.split("(")[1].split(")")[0] for m in rungs] == list(RUNGS), rungs
+    assert all(m.endswith("it failed at: CUDA out of memory. Tried to allocate 2.00 GiB") for m in rungs), rungs
+    assert strategy.schedule_result is None  # an interval plan: nothing MILP-planned for checkpoints to carry
     assert rel_diff(lt.model, ref.model) <= 1e-6
     assert trainer.global_step == 3
 
@@ -102,9 +104,13 @@ def test_the_rung_is_planned_after_the_failed_step_has_let_go_of_its_tensors(mon
 
     monkeypatch.setattr(planner, "budgets", spy)
     strategy = LazyTrainStrategy(schedule="milp")
+    rung_plans, next_plan = [], strategy.oom_ladder.next_plan
+    strategy.oom_ladder.next_plan = lambda *a: rung_plans.append(next_plan(*a)) or rung_plans[-1]
     train(model, batches(2), strategy=strategy)
     assert left["n"] == 0 and strategy.oom_ladder.taken  # the step failed once and a rung was taken
     assert alive_at_budget and not any(alive_at_budget), "a rung was budgeted while the failed step's tensors lived"
+    # checkpoints save the plan that ran after the fallback, not the one that ran out of memory
+    assert rung_plans and strategy.schedule_result is rung_plans[-1]
 
 
 def test_the_device_total_after_a_discarded_step_counts_no_slot_pool(monkeypatch):

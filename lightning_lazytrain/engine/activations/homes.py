@@ -173,7 +173,7 @@ class ActivationHomes:
             q.wait(entry.offloaded, q.reload)
             with q.on(q.reload):
                 entry.tensor.copy_(entry.host.view(entry.dtype).view(entry.shape), non_blocking=True)
-            entry.ready = q.record(q.h2d)
+            entry.ready = q.record(q.reload)
             self.buffers.give(entry.host, entry.ready)
             entry.host = None
             self._count("reload_bytes", entry.nbytes)
@@ -195,7 +195,7 @@ class ActivationHomes:
         q.wait(allocated, q.reload)
         with q.on(q.reload):
             entry.tensor.copy_(buf.view(entry.dtype).view(entry.shape), non_blocking=True)
-        ready = q.record(q.h2d)
+        ready = q.record(q.reload)
         self.buffers.give(buf, ready)
         self._count("reload_bytes", entry.nbytes)
         return ready
