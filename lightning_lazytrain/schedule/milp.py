@@ -32,7 +32,7 @@ from pyomo.contrib.appsi.solvers import Highs
 
 from lightning_lazytrain.engine.plan import Schedule
 
-from .milp_memory import add_memory, held_graph_bytes, memory_shortfall, plan_gpu_bytes
+from .milp_memory import add_memory, held_graph_bytes, memory_shortfall, plan_gpu_pieces
 from .milp_transfers import add_transfers
 from .milp_windows import add_window_transfers
 from .problem import GIB, ScheduleProblem
@@ -209,7 +209,8 @@ def _extract(p: ScheduleProblem, m: pyo.ConcreteModel, res, status: str, t_build
         if used > budget:
             raise RuntimeError(f"solver plan puts {used} B on {tier} over its {budget} B budget (round-off); "
                                f"lower the {tier} budget by a few KiB")
-    gpu_bytes = plan_gpu_bytes(p, tiers, keep_graph, mlp_recompute)
+    pieces = plan_gpu_pieces(p, tiers, keep_graph, mlp_recompute)
+    gpu_bytes = sum(pieces.values())
     if p.gpu_total_bytes is not None and gpu_bytes > p.gpu_total_bytes:
         raise RuntimeError(f"solver plan needs {gpu_bytes} B of GPU memory over the {p.gpu_total_bytes} B the "
                            f"device has for it (round-off); lower gpu_total_bytes by a few KiB")
@@ -223,7 +224,7 @@ def _extract(p: ScheduleProblem, m: pyo.ConcreteModel, res, status: str, t_build
                   "best_bound": None if bound is None else float(bound), "build_seconds": round(t_build, 4),
                   "solve_seconds": round(t_total, 4),
                   "num_binaries": len(m._edges) + 3 * len(m._inner) + len(m.k) + len(m.r),
-                  "kept_graph_seconds": _val(m.graph_saving), "gpu_bytes": gpu_bytes}
+                  "kept_graph_seconds": _val(m.graph_saving), "gpu_bytes": gpu_bytes, "gpu_pieces": pieces}
     log.info("schedule solved: %s in %.2f s (gap %.4f), exposed %.4f s, tiers %s", status, t_total, gap,
              sched.predicted_exposed_seconds, sched.counts())
     return sched
