@@ -46,7 +46,7 @@ class PhasePeaks(pl.Callback):
                          "plan_status": plan.status, "rungs": list(strategy.oom_ladder.taken),
                          "modelled_gib": plan.info.get("gpu_bytes", 0) / GIB,
                          "modelled_pieces_gib": {k: v / GIB for k, v in plan.info.get("gpu_pieces", {}).items()},
-                         "resident_gib": strategy.executor.resident_device_bytes() / GIB})
+                         "resident_gib": strategy.executor.resident_device_bytes / GIB})
         self.rows.append(self.row)
 
 

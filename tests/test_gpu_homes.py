@@ -132,8 +132,8 @@ def test_3b_plan_with_cpu_and_nvme_homes_predicted_vs_measured_stall(tmp_path):
 def test_gpu_compute_reads_a_reloaded_boundary_only_after_its_copy(tmp_path, home):
     """The reload stream is held back by a long sleep kernel queued on it before the reload: what the compute
     stream reads from ``get`` is still the boundary, because it waits for the reload stream, not the weight one."""
-    queues = DeviceQueues(torch.device("cuda"))
-    store = ActivationHomes(queues, ["gpu", home, "gpu"], PinnedAllocator(True), str(tmp_path))
+    queues, pinned = DeviceQueues(torch.device("cuda")), PinnedAllocator(True)
+    store = ActivationHomes(queues, ["gpu", home, "gpu"], pinned, str(tmp_path))
     x = torch.randn(2048, 4096, device="cuda")
     store.put(1, x)
     store.flush()
@@ -143,3 +143,17 @@ def test_gpu_compute_reads_a_reloaded_boundary_only_after_its_copy(tmp_path, hom
     torch.cuda.synchronize()
     assert torch.equal(seen, x)
     store.close()
+    pinned.release()
+
+
+def test_gpu_a_refused_host_register_leaves_no_error_for_the_next_kernel():
+    """Registering a range twice is refused; the allocator falls back, and the next kernel launch must not raise
+    the refusal (the runtime's last error) as its own."""
+    from lightning_lazytrain.engine.weights.pinned import _register
+
+    host = torch.empty(1 << 20, dtype=torch.uint8)
+    assert _register(host, host.numel())
+    assert not _register(host, host.numel())
+    torch.ones(4, device="cuda").add_(1)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaHostUnregister(host.data_ptr())

@@ -8,9 +8,15 @@ to change.
 
 from __future__ import annotations
 
+import ctypes
+import os
+
 import torch
 
 from lightning_lazytrain.faults import pin_failed
+
+#: the CUDA runtime sonames torch's CUDA builds load, newest first
+_CUDART_NAMES = ("libcudart.so.13", "libcudart.so.12", "libcudart.so")
 
 
 def _register(tensor: torch.Tensor, nbytes: int) -> bool:
@@ -19,7 +25,23 @@ def _register(tensor: torch.Tensor, nbytes: int) -> bool:
         err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
     except (AttributeError, RuntimeError):
         return False
-    return int(err) == 0 if not hasattr(err, "value") else err.value == 0
+    ok = int(err) == 0 if not hasattr(err, "value") else err.value == 0
+    if not ok:
+        _clear_last_cuda_error()
+    return ok
+
+
+def _clear_last_cuda_error() -> None:
+    """Reset the runtime's last error. A refused ``cudaHostRegister`` leaves it set, and torch's check after the
+    next kernel launch would raise it there, far from here (seen on an H100: a sleep kernel failed with "part or
+    all of the requested memory range is already mapped"). The runtime torch already loaded is the one to ask."""
+    for name in _CUDART_NAMES:
+        try:
+            runtime = ctypes.CDLL(name, mode=os.RTLD_NOLOAD)
+        except OSError:
+            continue
+        runtime.cudaGetLastError()
+        return
 
 
 def _pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
