@@ -24,12 +24,30 @@ import lightning_lazytrain  # noqa: F401
 GIB = 2**30
 
 
+def live_blocks(top: int = 12) -> list[dict]:
+    """The largest live allocations, each with the innermost Python frames of this repo or torch that made it
+    (needs ``torch.cuda.memory._record_memory_history`` on before they were allocated)."""
+    blocks = []
+    for segment in torch.cuda.memory._snapshot()["segments"]:
+        for block in segment["blocks"]:
+            if block["state"] != "active_allocated":
+                continue
+            frames = [f"{f['filename'].split('/site-packages/')[-1].split('/work/main/')[-1]}:{f['line']} {f['name']}"
+                      for f in block.get("frames", []) if f["filename"].endswith(".py")]
+            blocks.append({"gib": block["size"] / GIB, "frames": frames[:6]})
+    return sorted(blocks, key=lambda b: -b["gib"])[:top]
+
+
 class PhasePeaks(pl.Callback):
-    def __init__(self) -> None:
+    def __init__(self, live_at_step: int | None = None) -> None:
         self.rows: list[dict] = []
+        self.live_at_step = live_at_step
+        self.live: list[dict] = []
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         self.row = {"step": trainer.global_step, "allocated_at_start_gib": torch.cuda.memory_allocated() / GIB}
+        if trainer.global_step == self.live_at_step:
+            self.live = live_blocks()
         torch.cuda.reset_peak_memory_stats()
 
     def on_before_backward(self, trainer, module, loss) -> None:
@@ -56,13 +74,17 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--cap-gib", type=float, default=24.0)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--live-at-step", type=int, default=None,
+                    help="at this step's start, record the largest live allocations and the code that made them")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if args.live_at_step is not None:
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
     cap_gpu_memory(args.cap_gib)
     run = build("lazytrain", args.shape, args.batch, {})
     run.strategy.oom_ladder.steps = args.steps  # the ladder may act at any step of this run
-    peaks = PhasePeaks()
+    peaks = PhasePeaks(args.live_at_step)
     data = RandomTokens(args.steps, args.batch, SEQ, run.module.model.config.vocab_size)
     trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=run.strategy, precision=run.precision,
                          max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -74,8 +96,10 @@ def main() -> None:
               f"{r['backward_peak_gib']:>9.2f} {r['modelled_gib']:>9.2f}  {r['plan']} {r['kept_graphs']} kept, "
               f"{r['rungs']}")
     print("pieces of the last plan (GiB):", peaks.rows[-1]["modelled_pieces_gib"])
+    for block in peaks.live:
+        print(f"live at step {args.live_at_step}: {block['gib']:.3f} GiB", " <- ".join(block["frames"][:4]))
     write_results(args.out, {"shape": args.shape, "batch": args.batch, "seq": SEQ, "cap_gib": args.cap_gib,
-                             "rows": peaks.rows})
+                             "rows": peaks.rows, "live_at_step": args.live_at_step, "live": peaks.live})
 
 
 if __name__ == "__main__":
