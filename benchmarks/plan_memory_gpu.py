@@ -34,7 +34,8 @@ def live_blocks(top: int = 12) -> list[dict]:
                 continue
             frames = [f"{f['filename'].split('/site-packages/')[-1].split('/work/main/')[-1]}:{f['line']} {f['name']}"
                       for f in block.get("frames", []) if f["filename"].endswith(".py")]
-            blocks.append({"gib": block["size"] / GIB, "frames": frames[:6]})
+            ours = [f for f in frames if f.startswith(("lightning_lazytrain", "benchmarks"))]
+            blocks.append({"gib": block["size"] / GIB, "frames": frames[:2] + ours[:4]})
     return sorted(blocks, key=lambda b: -b["gib"])[:top]
 
 
@@ -97,7 +98,7 @@ def main() -> None:
               f"{r['rungs']}")
     print("pieces of the last plan (GiB):", peaks.rows[-1]["modelled_pieces_gib"])
     for block in peaks.live:
-        print(f"live at step {args.live_at_step}: {block['gib']:.3f} GiB", " <- ".join(block["frames"][:4]))
+        print(f"live at step {args.live_at_step}: {block['gib']:.3f} GiB", " <- ".join(block["frames"]))
     write_results(args.out, {"shape": args.shape, "batch": args.batch, "seq": SEQ, "cap_gib": args.cap_gib,
                              "rows": peaks.rows, "live_at_step": args.live_at_step, "live": peaks.live})
 
