@@ -17,14 +17,20 @@ from lightning_lazytrain.schedule import InfeasibleScheduleError, ScheduleProble
 
 def gpu_peak(p: ScheduleProblem, tiers: list[str], keep: tuple[bool, ...]) -> int:
     """Largest GPU use over the backward: everything saved and every held graph, plus the running block's slots,
-    rebuilt boundaries and largest working set (or the head's working set)."""
+    rebuilt boundaries and largest working set (or the head's working set). Beside those, while a block runs the
+    layer above's gradients are still being copied out (one slot's bytes), and, where boundaries may leave the GPU,
+    its input and the next block's may both be on the GPU on their way back: two of the largest inner boundary."""
     n, a = p.num_layers, p.activation_bytes
     held = sum(a[i] for i in range(n + 1) if tiers[i] == "gpu")
     held += sum(p.graph_bytes[j] + p.slot_bytes for j in range(n) if keep[j]) + p.fixed_slots * p.slot_bytes
     saved = [i for i, t in enumerate(tiers) if t != "recompute"]
+    offload = p.cpu_budget_bytes + p.nvme_budget_bytes > 0
     peaks = [p.head_working_bytes]
     for s, e in zip(saved[:-1], saved[1:], strict=True):
-        peaks.append((e - s) * p.slot_bytes + sum(a[s + 1 : e]) + max(p.working_bytes[s:e]))
+        block = (e - s) * p.slot_bytes + sum(a[s + 1 : e]) + max(p.working_bytes[s:e])
+        copying_out = p.slot_bytes
+        brought_back = 2 * max(a[1:n], default=0) if offload else 0
+        peaks.append(block + copying_out + brought_back)
     return held + max(peaks)
 
 

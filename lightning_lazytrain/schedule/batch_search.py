@@ -41,8 +41,9 @@ def some_plan_fits(p: ScheduleProblem) -> bool:
     """Whether some plan meets the MILP's budget rows, for equal boundaries (the profiles of uniform models; other
     problems pass, and the MILP decides).
 
-    A plan whose longest free block has ``k`` layers peaks at most at ``k`` slots, ``k - 1`` rebuilt boundaries and
-    the largest working set, and saves at least ``ceil(m / k) - 1`` boundaries inside each run of ``m`` layers
+    A plan whose longest free block has ``k`` layers peaks at most at ``k`` slots (and the one copying out),
+    ``k - 1`` rebuilt boundaries, the largest working set and ``reload_bytes``, and saves at least
+    ``ceil(m / k) - 1`` boundaries inside each run of ``m`` layers
     between forced graphs; those go to whatever home still has room for a whole boundary. A forced graph holds its
     graph, a slot and its input boundary on the GPU; its output boundary is saved in some home. Exact when the
     layers' working sets are equal too; otherwise it may refuse a batch the MILP would take (never the reverse)."""
@@ -58,10 +59,10 @@ def some_plan_fits(p: ScheduleProblem) -> bool:
     work = max(p.working_bytes) if p.working_bytes is not None else 0
     graphs = sum(p.graph_bytes[j] for j in forced) if p.graph_bytes is not None else 0
     held = 2 * size + len(on_gpu) * size + graphs
-    forced_peaks = [p.slot_bytes + (p.working_bytes[j] if p.working_bytes is not None else 0) for j in forced]
+    forced_peaks = [p.block_peak_bytes(j, j + 1) for j in forced]
     for k in range(1, p.max_recompute_span + 1):
         longest = min(k, max(runs, default=0))
-        block = longest * p.slot_bytes + (longest - 1) * size + work if longest else 0
+        block = (longest + 1) * p.slot_bytes + (longest - 1) * size + work + p.reload_bytes if longest else 0
         room = p.gpu_budget_bytes - held
         if p.gpu_total_bytes is not None:
             peak = max([p.head_working_bytes, block, *forced_peaks])

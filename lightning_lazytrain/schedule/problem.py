@@ -154,10 +154,21 @@ class ScheduleProblem:
         return float(sum(self.forward_seconds[s : e - 1]))
 
     def block_peak_bytes(self, s: int, e: int) -> int:
-        """GPU bytes block (s, e)'s backward adds at its peak: its weight slots, its rebuilt boundaries s+1..e-1
-        and the largest working set among its layers."""
+        """GPU bytes block (s, e)'s backward adds at its peak: its weight slots, its rebuilt boundaries s+1..e-1,
+        the largest working set among its layers, the gradients of the layer above still on their way to the host
+        (one slot's bytes) and ``reload_bytes``."""
         work = max(self.working_bytes[s:e]) if self.working_bytes is not None else 0
-        return (e - s) * self.slot_bytes + sum(self.activation_bytes[s + 1 : e]) + work
+        return (e - s + 1) * self.slot_bytes + sum(self.activation_bytes[s + 1 : e]) + work + self.reload_bytes
+
+    @property
+    def reload_bytes(self) -> int:
+        """Where boundaries may live off the GPU: a running block's input and the next block's, brought back from
+        the CPU or NVMe (the engine allocates the next one when it starts the copy, early). Charged to every block
+        as two of the largest inner boundary, whatever their homes: bounded, and the same for every block, so the
+        batch search's test without a solve stays exact."""
+        if self.cpu_budget_bytes + self.nvme_budget_bytes == 0:
+            return 0
+        return 2 * max(self.activation_bytes[1:-1], default=0)
 
     def may_keep_graph(self, j: int) -> bool:
         return self.graph_bytes is not None or j in self.keep_graph_layers
