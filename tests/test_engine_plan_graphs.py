@@ -60,3 +60,35 @@ def test_keep_graph_layers_with_a_plan_file_is_refused(tmp_path):
             strategy=LazyTrainStrategy(schedule=str(plan), keep_graph_layers=2),
             max_steps=1,
         )
+
+
+def test_a_reload_below_kept_graphs_starts_before_their_backward(tmp_path, monkeypatch):
+    """Layers 2 and 3 keep their graphs; layer 1 re-runs from boundary 1, which lives on the CPU. Its reload must
+    start while the head or the kept layers' backward can hide it, not at the re-run block's own ``get`` (before:
+    only the next block's input was looked at, and a kept graph reads none back). Training matches all-GPU."""
+    from lightning_lazytrain.engine.activations.homes import ActivationHomes
+    from lightning_lazytrain.engine.grads.host import GradSink
+
+    events: list[tuple[str, int]] = []
+    prefetch, submit = ActivationHomes.prefetch, GradSink.submit
+
+    def spy_prefetch(self, i):
+        events.append(("reload", i))
+        return prefetch(self, i)
+
+    def spy_submit(self, unit, grads):
+        events.append(("grads", unit.index))
+        return submit(self, unit, grads)
+
+    monkeypatch.setattr(ActivationHomes, "prefetch", spy_prefetch)
+    monkeypatch.setattr(GradSink, "submit", spy_submit)
+    model, data = tiny_model("qwen2"), batches(2)
+    ref, _ = train(model, data, strategy=LazyTrainStrategy(schedule="interval:1"), max_steps=2)
+    plan = tmp_path / "plan.json"
+    homes, graphs = ["gpu", "cpu", "gpu", "gpu", "gpu"], [False, False, True, True]
+    plan.write_text(Schedule(tiers=homes, keep_graph=graphs).to_json())
+    events.clear()
+    lt, _ = train(model, data, strategy=LazyTrainStrategy(schedule=str(plan)), max_steps=2)
+    assert rel_diff(lt.model, ref.model) <= 1e-6
+    first_grads = next(k for k, e in enumerate(events) if e[0] == "grads")  # the top kept layer's backward
+    assert ("reload", 1) in events[:first_grads], events[: first_grads + 3]

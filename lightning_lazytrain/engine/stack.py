@@ -123,9 +123,9 @@ class StackRun:
                 homes.put(j + 1, x)
         if training:
             homes.flush()
-            # the backward's first block starts at this boundary: bring it back while the head runs
-            first = plan.blocks()[-1][0]
-            if self._needed(first):
+            # the backward's first block that reads its input back: bring that input back while the head runs
+            first = self._next_read_back([s for s, _ in reversed(plan.blocks())], -1)
+            if first is not None:
                 homes.prefetch(first)
         ex.queues.end_span()
         return x
@@ -134,6 +134,12 @@ class StackRun:
         """Boundary i is read back in the backward when it starts a block whose layer re-runs there."""
         plan = self.ctx.plan
         return boundary < plan.num_layers and plan.kept(boundary) and not plan.keep_graph[boundary]
+
+    def _next_read_back(self, starts: list[int], k: int) -> int | None:
+        """The input of the first block after the k-th (backward order) that reads its input back. Kept graphs in
+        between read nothing back, so looking only at the next block would leave that reload to start at its
+        ``get``, with no compute left to hide behind."""
+        return next((s for s in starts[k + 1 :] if self._needed(s)), None)
 
     def backward(self, grad: torch.Tensor) -> torch.Tensor:
         with rng_fork(self.ctx.device):
@@ -151,10 +157,13 @@ class StackRun:
         cursor = 0
         starts = [s for s, _ in blocks]
         for k, (s, e) in enumerate(blocks):
+            below = self._next_read_back(starts, k)
             if e == s + 1 and s in self.graphs:
                 graph = self.graphs.pop(s)
                 cursor += 1
                 prefetch(cursor)
+                if below is not None:
+                    ex.homes.prefetch(below)
                 grad = self._backprop(s, graph.output, graph.inputs, graph.leaves, grad)
                 ex.pool.release(graph.slot)
                 continue
@@ -162,8 +171,8 @@ class StackRun:
             cursor += e - s
             prefetch(cursor)
             inputs = [ex.homes.get(s)]
-            if k + 1 < len(starts) and self._needed(starts[k + 1]):
-                ex.homes.prefetch(starts[k + 1])
+            if below is not None:
+                ex.homes.prefetch(below)
             with torch.no_grad(), self._autocast():
                 for j in range(s, e - 1):
                     inputs.append(self._rerun(j, inputs[-1], slots[j - s].views(ex.units[j])))
