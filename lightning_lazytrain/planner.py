@@ -17,7 +17,7 @@ import psutil
 from lightning_lazytrain.engine import Schedule, StreamingExecutor
 from lightning_lazytrain.engine.device import device_free_bytes
 from lightning_lazytrain.schedule import InfeasibleScheduleError, Profile, profile_model, solve
-from lightning_lazytrain.schedule.plan_problem import plan_problem, plan_total_bytes
+from lightning_lazytrain.schedule.plan_problem import head_grad_sum_bytes, plan_problem, plan_total_bytes
 from lightning_lazytrain.units import GIB
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,7 @@ def solve_plan(settings: PlanSettings, executor: StreamingExecutor, batch: int, 
     problem = plan_problem(profile, gpu, cpu, nvme, total_bytes=total,
                            slot_bytes=executor.slot_numel * executor.store.stream_dtype.itemsize,
                            prefetch_depth=executor.prefetch_depth, loss_chunk_bytes=executor.loss_chunk_bytes,
+                           head_grad_bytes=head_grad_sum_bytes(executor.adapter.lm_head),
                            max_recompute_span=settings.max_recompute_span,
                            keep_graph_layers=settings.keep_graph_layers)
     try:

@@ -28,7 +28,7 @@ from .disk import checkpoint_tier
 from .gpus import GpuSpec
 from .milp import solve
 from .milp_memory import plan_gpu_pieces
-from .plan_problem import plan_problem, plan_total_bytes
+from .plan_problem import head_grad_sum_bytes, plan_problem, plan_total_bytes
 from .problem import GIB, ScheduleProblem
 from .profile import Profile
 from .step_time import StepPrediction, predict_step
@@ -177,6 +177,7 @@ def problem_for(run: RunSpec, machine: Machine, profile: Profile) -> SchedulePro
         slot_bytes=gpu_layout(run.adapter, run.stream_dtype).slot_bytes,
         prefetch_depth=run.prefetch_depth,
         loss_chunk_bytes=LOSS_CHUNK_BYTES,
+        head_grad_bytes=head_grad_sum_bytes(run.adapter.lm_head),
         max_recompute_span=run.max_recompute_span,
         keep_graph_layers=run.keep_graph_layers,
     )

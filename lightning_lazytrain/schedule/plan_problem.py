@@ -9,6 +9,8 @@ block's working set out of the total (`milp_memory.py`); the GPU activation budg
 
 from __future__ import annotations
 
+import torch
+
 from .build import build_problem
 from .problem import ScheduleProblem
 from .profile import Profile
@@ -23,9 +25,17 @@ def plan_total_bytes(available_bytes: int) -> int:
     return int(max(0, available_bytes) * PLAN_MEMORY_MARGIN)
 
 
-def head_working_bytes(loss_chunk_bytes: int, last_boundary_bytes: int) -> int:
-    """The head's working set: a logits chunk, its gradient and softmax, the hidden state and its gradient."""
-    return 3 * loss_chunk_bytes + 2 * last_boundary_bytes
+def head_working_bytes(loss_chunk_bytes: int, last_boundary_bytes: int, head_grad_bytes: int = 0) -> int:
+    """The head's working set: a logits chunk, its gradient and softmax, the hidden state and its gradient, and
+    the fp32 sum of the head's weight gradient over the chunks (``head_grad_sum_bytes``)."""
+    return 3 * loss_chunk_bytes + 2 * last_boundary_bytes + head_grad_bytes
+
+
+def head_grad_sum_bytes(lm_head: torch.nn.Module) -> int:
+    """Bytes of the fp32 weight-gradient sum the chunked loss keeps from the head's forward to its backward
+    (vocabulary x hidden x 4: 2.2 GB at Qwen2.5-7B); 0 for a frozen head."""
+    weight = lm_head.weight
+    return 4 * weight.numel() if weight.requires_grad else 0
 
 
 def plan_problem(
@@ -38,6 +48,7 @@ def plan_problem(
     slot_bytes: int,
     prefetch_depth: int,
     loss_chunk_bytes: int,
+    head_grad_bytes: int,
     max_recompute_span: int,
     keep_graph_layers: int,
 ) -> ScheduleProblem:
@@ -57,5 +68,5 @@ def plan_problem(
         gpu_total_bytes=total_bytes,
         slot_bytes=slot_bytes,
         fixed_slots=max(1, prefetch_depth),
-        head_working_bytes=head_working_bytes(loss_chunk_bytes, profile.activation_bytes[-1]),
+        head_working_bytes=head_working_bytes(loss_chunk_bytes, profile.activation_bytes[-1], head_grad_bytes),
     )
