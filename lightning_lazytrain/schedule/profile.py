@@ -10,6 +10,7 @@ given. Results are cached as JSON per machine + model shape + batch + seq + dtyp
 from __future__ import annotations
 
 import copy
+import gc
 import hashlib
 import json
 import os
@@ -174,6 +175,9 @@ def _measure_layers(adapter: ModelAdapter, batch: int, seq: int, device: torch.d
         del layer
         for j in members:
             out[j] = (secs, graph, peak, mlp_secs, partial)
+    # a submodule with a fused kernel's bound forward is a reference cycle: free the copies' device weights now,
+    # before the plan reads the free memory and the steps run beside them
+    gc.collect()
     return out
 
 
