@@ -104,7 +104,8 @@ def memory_shortfall(p: ScheduleProblem) -> str | None:
         f"GPU memory short by {(need - p.gpu_total_bytes) / GIB:.3f} GiB: the smallest plan needs "
         f"{need / GIB:.3f} GiB (boundaries 0 and L {(a[0] + a[n]) / GIB:.3f}, {len(p.keep_graph_layers)} forced "
         f"kept graphs {forced / GIB:.3f}, {p.fixed_slots} prefetch slots "
-        f"{p.fixed_slots * p.slot_bytes / GIB:.3f}, the largest layer's working set and slot {work / GIB:.3f}) "
+        f"{p.fixed_slots * p.slot_bytes / GIB:.3f}, the largest layer's working set with its slots and reloads "
+        f"{work / GIB:.3f}) "
         f"and the device has {p.gpu_total_bytes / GIB:.3f} GiB for the plan; lower the batch / sequence length, "
         f"keep fewer graphs (keep_graph_layers) or lower prefetch_depth"
     )
