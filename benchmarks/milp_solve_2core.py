@@ -35,7 +35,11 @@ from lightning_lazytrain.schedule import solve  # noqa: E402
 from lightning_lazytrain.schedule.analytic import analytic_profile, gpu_layout  # noqa: E402
 from lightning_lazytrain.schedule.gpus import gpu_spec  # noqa: E402
 from lightning_lazytrain.schedule.milp_updates import UpdateProblem, solve_updates  # noqa: E402
-from lightning_lazytrain.schedule.plan_problem import plan_problem, plan_total_bytes  # noqa: E402
+from lightning_lazytrain.schedule.plan_problem import (  # noqa: E402
+    head_grad_sum_bytes,
+    plan_problem,
+    plan_total_bytes,
+)
 from lightning_lazytrain.sft.plan_model import _named, meta_model  # noqa: E402
 from lightning_lazytrain.units import GIB  # noqa: E402
 
@@ -59,7 +63,8 @@ def problem_for(adapter, batch: int, cap_gib: float, cpu_gib: float, nvme_gib: f
     total = plan_total_bytes(int(cap_gib * GIB) - 3 * layout.resident_copy_bytes)
     return plan_problem(profile, total, int(cpu_gib * GIB), int(nvme_gib * GIB), total_bytes=total,
                         slot_bytes=layout.slot_bytes, prefetch_depth=2, loss_chunk_bytes=LOSS_CHUNK_BYTES,
-                        max_recompute_span=span, keep_graph_layers=0)
+                        head_grad_bytes=head_grad_sum_bytes(adapter.lm_head), max_recompute_span=span,
+                        keep_graph_layers=0)
 
 
 def update_problem(adapter, batch: int) -> UpdateProblem:
