@@ -70,3 +70,22 @@ def test_layer_choice_milp_solves_64_layers_at_1pct_gap():
     assert s.status == "optimal" and s.info["mip_gap"] <= 0.01
     assert 0 < sum(s.keep_graph) < 64 and s.info["gpu_bytes"] <= p.gpu_total_bytes
     assert elapsed < 30.0  # 3x the target: the CI machine's 2 cores are shared
+
+
+def test_the_p6_benchmark_builds_the_planners_problem():
+    """``benchmarks/milp_solve_2core.py`` builds its 64-layer problems with ``plan_problem``; a new argument of that
+    function (138dea7) broke the script with a TypeError, and no test ran it."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "milp_solve_2core.py"
+    spec = importlib.util.spec_from_file_location("milp_solve_2core", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    from lightning_lazytrain.models.adapter import adapter_for
+    from lightning_lazytrain.sft.plan_model import _named, meta_model
+
+    adapter = adapter_for(meta_model(_named(bench.SHAPE)))
+    batch, cap, cpu, nvme, span = bench.CASES["b16-cap40"]
+    p = bench.problem_for(adapter, batch, cap, cpu, nvme, span)
+    assert p.num_layers == 64 and p.head_working_bytes > 4 * adapter.lm_head.weight.numel()
