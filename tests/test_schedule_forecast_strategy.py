@@ -35,6 +35,7 @@ SIX_RESIDENT = 2 * (2 * 512 * 512 + 512)  # embeddings, head (untied), final nor
 SIX_GRAPH = 1024 * (2 * (4 + 2) * 512 + 2 * 2 * 512 + 2 * (3 * 512 + 4 * 256 + 512) + 2 * 4 * 2048)  # a sequence's
 SIX_MLP_GRAPH = 1024 * (2 * (4 + 2) * 512 + 2 * 2 * 512 + 2 * (3 * 512 + 4 * 256 + 512))  # without the MLP's own
 HEAD = 3 * (1 << 29)  # three 512 MiB loss chunks (the executor's default), before the two hidden-state terms
+SIX_HEAD_GRAD_SUM = 4 * 512 * 512  # the fp32 sum of the six-layer head's weight gradient: 1 MiB
 
 
 def _six(**kw) -> RunSpec:
@@ -144,12 +145,13 @@ def test_every_admitted_batch_has_a_plan_within_the_device_total(memory_gib):
 
 
 def test_kept_graphs_appear_when_memory_allows_and_vanish_when_tight():
-    """Batch 1: the head's 1.5 GiB is the peak, so the smallest plan holds the two ends and the two prefetch slots
+    """Batch 1: the head's 1.5 GiB is the peak (with its two hidden states, its 1 MiB gradient sum and the 1 MiB of
+    the backward's first input coming back), so the smallest plan holds the two ends and the two prefetch slots
     beside it, and every boundary on the GPU adds 1 MiB. A kept graph adds its bytes and a slot (a graph whose MLP
     re-runs, fewer bytes). Below the room for the smaller graph nothing is kept; with every boundary on the GPU
     and room for one graph of either kind, the whole graph (no re-run at all) wins, else the MLP-re-run one."""
     run = _six()
-    smallest = 2 * MIB + 2 * SIX_SLOT + HEAD + 2 * MIB
+    smallest = 2 * MIB + 2 * SIX_SLOT + HEAD + 2 * MIB + SIX_HEAD_GRAD_SUM + MIB
     every_boundary = smallest + 5 * MIB
     assert analytic_profile(run.adapter, 1, 1024, H200).graph_bytes[0] == SIX_GRAPH
 

@@ -25,7 +25,7 @@ def gpu_peak(p: ScheduleProblem, tiers: list[str], keep: tuple[bool, ...]) -> in
     held += sum(p.graph_bytes[j] + p.slot_bytes for j in range(n) if keep[j]) + p.fixed_slots * p.slot_bytes
     saved = [i for i, t in enumerate(tiers) if t != "recompute"]
     offload = p.cpu_budget_bytes + p.nvme_budget_bytes > 0
-    peaks = [p.head_working_bytes]
+    peaks = [p.head_working_bytes + (max(a[1:n], default=0) if offload else 0)]  # the first reload starts there
     for s, e in zip(saved[:-1], saved[1:], strict=True):
         block = (e - s) * p.slot_bytes + sum(a[s + 1 : e]) + max(p.working_bytes[s:e])
         copying_out = p.slot_bytes

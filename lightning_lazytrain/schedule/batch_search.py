@@ -65,7 +65,7 @@ def some_plan_fits(p: ScheduleProblem) -> bool:
         block = (longest + 1) * p.slot_bytes + (longest - 1) * size + work + p.reload_bytes if longest else 0
         room = p.gpu_budget_bytes - held
         if p.gpu_total_bytes is not None:
-            peak = max([p.head_working_bytes, block, *forced_peaks])
+            peak = max([p.head_peak_bytes, block, *forced_peaks])
             slots = (p.fixed_slots + len(forced)) * p.slot_bytes
             room = min(room, p.gpu_total_bytes - held - slots - peak)
         if room < 0:

@@ -17,7 +17,7 @@ GPU bytes, two rows:
 
 * ``A_0 + A_L + sum A_i g_i + sum G_j k_j <= gpu_budget_bytes`` (what the user's activation budget caps);
 * with ``gpu_total_bytes``: that sum ``+ sum slot k_j + fixed_slots * slot + peak <= gpu_total_bytes``, where
-  ``peak >= block_peak_bytes(s, e) * x(s, e)`` for every edge and ``peak >= head_working_bytes``: the largest
+  ``peak >= block_peak_bytes(s, e) * x(s, e)`` for every edge and ``peak >= head_peak_bytes``: the largest
   block's slots, rebuilt boundaries and working set (the engine sizes its slot pool by the largest block too).
   Every kept graph and saved boundary is counted for the whole step, an upper estimate: a graph is freed when its
   backward ran, before lower blocks reach their peak.
@@ -53,7 +53,7 @@ def add_memory(
         m.bud_g = pyo.Constraint(expr=saved <= p.gpu_budget_bytes / GIB - a[0] - a[n])
     if p.gpu_total_bytes is None:
         return
-    m.peak = pyo.Var(domain=pyo.NonNegativeReals, bounds=(p.head_working_bytes / GIB, None))
+    m.peak = pyo.Var(domain=pyo.NonNegativeReals, bounds=(p.head_peak_bytes / GIB, None))
     m.peak_edge = pyo.Constraint(edges, rule=lambda m, s, e: m.peak >= p.block_peak_bytes(s, e) / GIB * m.x[s, e])
     m.bud_total = pyo.Constraint(
         expr=a[0] + a[n] + saved + qs(slot * m.held[j] for j in held) + p.fixed_slots * slot + m.peak
@@ -79,7 +79,7 @@ def plan_gpu_pieces(p: ScheduleProblem, tiers: list[str], keep_graph: list[bool]
         "boundaries": sum(b for b, t in zip(p.activation_bytes, tiers, strict=True) if t == "gpu"),
         "graphs": held_graph_bytes(p, keep_graph, mlp_recompute),
         "slots": p.slot_bytes * (p.fixed_slots + sum(keep_graph)),
-        "peak": max([p.head_working_bytes] + [p.block_peak_bytes(s, e) for s, e in zip(saved[:-1], saved[1:])]),
+        "peak": max([p.head_peak_bytes] + [p.block_peak_bytes(s, e) for s, e in zip(saved[:-1], saved[1:])]),
     }
 
 
@@ -96,7 +96,7 @@ def memory_shortfall(p: ScheduleProblem) -> str | None:
         return None
     a, n = p.activation_bytes, p.num_layers
     forced = sum((p.graph_bytes[j] if p.graph_bytes is not None else 0) + p.slot_bytes for j in p.keep_graph_layers)
-    work = max([p.head_working_bytes] + [p.block_peak_bytes(j, j + 1) for j in range(n)])
+    work = max([p.head_peak_bytes] + [p.block_peak_bytes(j, j + 1) for j in range(n)])
     need = a[0] + a[n] + forced + p.fixed_slots * p.slot_bytes + work
     if need <= p.gpu_total_bytes:
         return None

@@ -161,6 +161,12 @@ class ScheduleProblem:
         return (e - s + 1) * self.slot_bytes + sum(self.activation_bytes[s + 1 : e]) + work + self.reload_bytes
 
     @property
+    def head_peak_bytes(self) -> int:
+        """GPU bytes the head window adds at its peak: its working set and, where boundaries may live off the
+        GPU, the backward's first input, which the forward's end starts bringing back while the head runs."""
+        return self.head_working_bytes + self.reload_bytes // 2
+
+    @property
     def reload_bytes(self) -> int:
         """Where boundaries may live off the GPU: a running block's input and the next block's, brought back from
         the CPU or NVMe (the engine allocates the next one when it starts the copy, early). Charged to every block
