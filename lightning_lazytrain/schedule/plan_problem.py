@@ -25,7 +25,7 @@ def plan_total_bytes(available_bytes: int) -> int:
     return int(max(0, available_bytes) * PLAN_MEMORY_MARGIN)
 
 
-def head_working_bytes(loss_chunk_bytes: int, last_boundary_bytes: int, head_grad_bytes: int = 0) -> int:
+def head_working_bytes(loss_chunk_bytes: int, last_boundary_bytes: int, head_grad_bytes: int) -> int:
     """The head's working set: a logits chunk, its gradient and softmax, the hidden state and its gradient, and
     the fp32 sum of the head's weight gradient over the chunks (``head_grad_sum_bytes``)."""
     return 3 * loss_chunk_bytes + 2 * last_boundary_bytes + head_grad_bytes
