@@ -164,7 +164,7 @@ class ScheduleProblem:
     def head_peak_bytes(self) -> int:
         """GPU bytes the head window adds at its peak: its working set and, where boundaries may live off the
         GPU, the backward's first input, which the forward's end starts bringing back while the head runs."""
-        return self.head_working_bytes + self.reload_bytes // 2
+        return self.head_working_bytes + self._returning_boundary_bytes
 
     @property
     def reload_bytes(self) -> int:
@@ -172,9 +172,14 @@ class ScheduleProblem:
         the CPU or NVMe (the engine allocates the next one when it starts the copy, early). Charged to every block
         as two of the largest inner boundary, whatever their homes: bounded, and the same for every block, so the
         batch search's test without a solve stays exact."""
+        return 2 * self._returning_boundary_bytes
+
+    @property
+    def _returning_boundary_bytes(self) -> int:
+        """One boundary on its way back to the GPU: the largest inner one, or 0 where none may leave the GPU."""
         if self.cpu_budget_bytes + self.nvme_budget_bytes == 0:
             return 0
-        return 2 * max(self.activation_bytes[1:-1], default=0)
+        return max(self.activation_bytes[1:-1], default=0)
 
     def may_keep_graph(self, j: int) -> bool:
         return self.graph_bytes is not None or j in self.keep_graph_layers
