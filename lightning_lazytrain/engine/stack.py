@@ -2,8 +2,9 @@
 
 The model's own forward still builds masks, rotary tables and position ids; each decoder layer call is only
 recorded (``LayerCall``), and the whole recorded stack runs here when the final norm asks for its input. The
-backward walks the plan's blocks from the top: reload or rebuild each layer's input, run it with grad, hand its
-weight gradients to the ``GradSink`` and pass the input gradient down.
+backward walks the plan's blocks from the top: reload or rebuild each layer's input, run it with grad (its MLP's
+output projection skipped, `gradient_only_linear.py`), hand its weight gradients to the ``GradSink`` and pass the
+input gradient down.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 
 from lightning_lazytrain.engine.activations.homes import ActivationHomes
 from lightning_lazytrain.engine.device import DeviceQueues
+from lightning_lazytrain.engine.gradient_only_linear import mlp_output_skipped
 from lightning_lazytrain.engine.mlp_recompute import checkpointed_mlp
 from lightning_lazytrain.engine.plan import Schedule
 from lightning_lazytrain.engine.rng import RngState, capture_rng, restore_rng, rng_fork
@@ -178,7 +180,8 @@ class StackRun:
                     inputs.append(self._rerun(j, inputs[-1], slots[j - s].views(ex.units[j])))
             for j in reversed(range(s, e)):
                 unit = ex.units[j]
-                with torch.enable_grad(), self._autocast():
+                # only the output's gradient is used: the MLP's output projection is not multiplied out
+                with torch.enable_grad(), self._autocast(), mlp_output_skipped(ex.layers[j]):
                     x = inputs.pop().detach().requires_grad_()
                     leaves = leaves_of(slots[j - s].views(unit), unit)
                     out = self._rerun(j, x, leaves)
