@@ -37,7 +37,7 @@ def test_plan_of_the_7b_recipe_on_an_h200(tmp_path):
     plan_line = re.search(r"boundaries gpu \d+, cpu (\d+), nvme 0, recompute 0; graphs kept [1-9]", out)
     assert "batch 144: " in out and plan_line, out
     assert re.search(r"GPU +resident parts +2\.03\n", out) and re.search(r"GPU +allocator margin +6\.92\n", out), out
-    assert re.search(r"GPU +need / have +1[23]\d\.\d\d / 140\.40  ok", out), out
+    assert re.search(r"GPU +need / have +1[1-3]\d\.\d\d / 140\.40  ok", out), out
     # 7.62 B parameters x (4 + 2 + 2 + 7.88) B, and 144 x 1024 x 3584 bf16 values per CPU-homed boundary
     host = re.search(r"host RAM +need / have +(\d+\.\d\d) / 120\.00  ok", out)
     cpu_homed = int(plan_line.group(1)) * 144 * 1024 * 3584 * 2 / 2**30

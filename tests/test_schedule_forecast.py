@@ -156,6 +156,10 @@ def test_step_prediction_sums_the_phases_by_hand():
     partial = Schedule(["gpu"] * 3, keep_graph=[True, False], mlp_recompute=[True, False])
     with_mlp = replace(prof, mlp_graph_bytes=[1, 1], mlp_seconds=[0.04, 0.004])
     assert predict_step(with_mlp, partial, 0.0).backward_s == pytest.approx(0.2 + 0.04 + max(3 * 0.01, 0.05, 0.1))
+    # a re-run without the MLP's output projection (0.07 of layer 0's 0.1 s) shortens only the layers that re-run
+    skipped = replace(prof, rerun_seconds=[0.07, 0.007])
+    assert predict_step(skipped, schedule, 0.0).backward_s == pytest.approx(0.27 + 0.1)
+    assert predict_step(skipped, kept, 0.0).backward_s == pytest.approx(0.27 + max(2 * 0.01, 0.1))
 
 
 def test_7b_on_an_80_gib_h200_steps_as_measured():

@@ -20,6 +20,7 @@ from lightning_lazytrain.schedule import (
     profile_model,
     solve,
 )
+from lightning_lazytrain.schedule import measure as measure_mod
 from lightning_lazytrain.schedule import profile as profile_mod
 from lightning_lazytrain.schedule.layer_memory import saved_tensor_bytes
 from lightning_lazytrain.schedule.timing import rotary_inputs, time_wall
@@ -78,12 +79,15 @@ def test_measuring_code_runs_layers_and_head(family):
         calls.append(1)
         return 0.5
 
-    per_layer = profile_mod._measure_layers(adapter, BATCH, SEQ, CPU, torch.float32, timer=timer)
-    assert sorted(per_layer) == list(range(LAYERS)) and set(per_layer.values()) == {(0.5, 0, 0, 0.5, 0)}
-    assert len(calls) == 2 * len(set(adapter.layer_types()))  # layer and MLP once per distinct layer kind
-    assert profile_mod._measure_head(adapter, 64, CPU, torch.float32, timer=timer) == pytest.approx(0.5)
-    real = profile_mod._measure_layers(adapter, BATCH, SEQ, CPU, torch.float32, timer=time_wall)
-    assert all(v[0] > v[3] > 0 for v in real.values())
+    per_layer = measure_mod.measure_layers(adapter, BATCH, SEQ, CPU, torch.float32, timer=timer)
+    assert sorted(per_layer) == list(range(LAYERS))
+    assert set(per_layer.values()) == {measure_mod.LayerMeasurement(0.5, 0.5, 0, 0, 0.5, 0)}
+    # layer, layer without the MLP's output projection, and MLP once per distinct layer kind
+    assert len(calls) == 3 * len(set(adapter.layer_types()))
+    assert measure_mod.measure_head(adapter, 64, CPU, torch.float32, timer=timer) == pytest.approx(0.5)
+    real = measure_mod.measure_layers(adapter, BATCH, SEQ, CPU, torch.float32, timer=time_wall)
+    assert all(v.forward_seconds > v.mlp_seconds > 0 for v in real.values())
+    assert all(0 < v.rerun_seconds <= v.forward_seconds for v in real.values())
 
 
 def test_cache_hit_on_second_call(tmp_path, monkeypatch):
@@ -143,7 +147,12 @@ def test_build_problem_and_solve(tmp_path):
     assert problem.num_layers == LAYERS and problem.max_recompute_span == 4
     assert problem.activation_bytes == prof.activation_bytes
     assert problem.forward_seconds == prof.forward_seconds
-    assert problem.window_seconds == pytest.approx([4.0 * f for f in prof.forward_seconds])  # fwd + re-fwd + 2 fwd
+    # the re-run skips the MLP's output projection (hidden x intermediate weights, 2 FLOPs each per token)
+    skipped = 2.0 * HIDDEN * 128 * BATCH * SEQ / profile_mod.ANALYTIC_FLOPS
+    assert problem.rerun_seconds == prof.rerun_seconds == pytest.approx([f - skipped for f in prof.forward_seconds])
+    # fwd + 2 fwd of backward + the re-run
+    windows = [3.0 * f + r for f, r in zip(prof.forward_seconds, prof.rerun_seconds, strict=True)]
+    assert problem.window_seconds == pytest.approx(windows)
     assert problem.param_h2d_bytes == [2 * b for b in prof.param_bytes]
     assert problem.grad_d2h_bytes == prof.param_bytes
     assert problem.head_seconds == prof.head_seconds
@@ -279,7 +288,7 @@ def test_the_measured_layer_copies_are_gone_when_measuring_returns(monkeypatch):
     monkeypatch.setattr(copy, "deepcopy", recorded)
     gc.disable()
     try:
-        profile_mod._measure_layers(adapter, BATCH, SEQ, CPU, torch.float32, timer=lambda fn, device: 0.5)
+        measure_mod.measure_layers(adapter, BATCH, SEQ, CPU, torch.float32, timer=lambda fn, device: 0.5)
         alive = [ref() for ref in copies if ref() is not None]
     finally:
         gc.enable()

@@ -21,7 +21,7 @@ from lightning_lazytrain.models.adapter import ModelAdapter
 from lightning_lazytrain.models.fused_kernels import UNFUSED, FusedParts, fusable
 
 from .gpus import GpuSpec
-from .layer_memory import analytic_layer_estimates, unique_numel
+from .layer_memory import analytic_layer_estimates, output_projection_seconds, unique_numel
 from .profile import SOURCE_KEYS, Profile, _attention_flops
 
 ACHIEVED_FRACTION = 0.58
@@ -70,6 +70,7 @@ def analytic_profile(
         speed[j] * (2.0 * numel[j] * tokens + _attention_flops(config, types[j], batch, seq)) / rate
         for j in range(adapter.num_layers)
     ]
+    rerun = [f - d for f, d in zip(forward, output_projection_seconds(adapter, tokens, rate))]
     head = 6.0 * config.vocab_size * config.hidden_size * tokens / rate
     act = batch * seq * config.hidden_size * itemsize
     scaling = (
@@ -83,6 +84,7 @@ def analytic_profile(
         scaling += f"; fp32 layers run below the bf16 rate, so these {str(stream_dtype)[6:]} times are too short"
     return Profile(
         forward_seconds=forward,
+        rerun_seconds=rerun,
         activation_bytes=[act] * (adapter.num_layers + 1),
         param_bytes=[k * itemsize for k in numel],
         head_seconds=head,
@@ -114,6 +116,7 @@ def scale_profile(profile: Profile, measured_tflops: float, gpu: GpuSpec) -> Pro
         profile,
         forward_seconds=[f * ratio for f in profile.forward_seconds],
         mlp_seconds=[f * ratio for f in profile.mlp_seconds],
+        rerun_seconds=[f * ratio for f in profile.rerun_seconds],
         head_seconds=profile.head_seconds * ratio,
         h2d_bytes_per_s=gpu.h2d_bytes_per_s,
         d2h_bytes_per_s=gpu.d2h_bytes_per_s,

@@ -3,12 +3,14 @@
 Window w is layer w's compute, forward and backward together. What the engine runs in it, for every schedule:
 
 * the forward of layer w (``rho_w``, no grad),
-* in the backward, layer w's forward-with-grad from its boundary (every block re-runs its layers with grad; only
-  the *extra* no-grad re-forwards of a block, ``R(s, e)``, are schedule-dependent and the solver charges them),
+* in the backward, layer w's forward-with-grad from its boundary, ``rho'_w`` (every block re-runs its layers with
+  grad, skipping the MLP's output projection: ``rerun_seconds``; only the *extra* no-grad re-forwards of a block,
+  ``R(s, e)``, are schedule-dependent and the solver charges them),
 * layer w's backward, ``backward_factor * rho_w``.
 
-So ``window_seconds[w] = (2 + backward_factor) * rho_w`` with ``reforward=True`` (the default, what the engine does
-without ``keep_graph``), or ``(1 + backward_factor) * rho_w`` with ``reforward=False`` (every layer keeps its graph).
+So ``window_seconds[w] = (1 + backward_factor) * rho_w + rho'_w`` with ``reforward=True`` (the default, what the
+engine does without ``keep_graph``), or ``(1 + backward_factor) * rho_w`` with ``reforward=False`` (every layer
+keeps its graph).
 The recompute forwards of ``R(s, e)`` are left out of the windows: the capacity is a lower estimate.
 
 Mandatory traffic per window: ``param_h2d_bytes[w] = 2 * param_bytes[w]`` (the layer's streamed weights copied for
@@ -42,21 +44,24 @@ def build_problem(profile: Profile, gpu_budget_bytes: int, cpu_budget_bytes: int
                   slot_bytes: int = 0, fixed_slots: int = 0, head_working_bytes: int = 0) -> ScheduleProblem:
     """The placement problem for ``profile`` under the given activation budgets (bytes per home).
 
-    ``window_seconds[w] = (1 + backward_factor + reforward) * forward_seconds[w]``; ``param_h2d_bytes[w] =
+    ``window_seconds[w] = (1 + backward_factor) * forward_seconds[w] + reforward * rerun_seconds[w]`` (the re-run
+    without the MLP's output projection; ``forward_seconds`` where not profiled); ``param_h2d_bytes[w] =
     (1 + reforward) * param_bytes[w]``; ``grad_d2h_bytes[w] = param_bytes[w]`` (or
     ``* grad_bytes_per_param / itemsize``); ``head_seconds`` as profiled; bandwidths: see the module docstring.
     """
     if backward_factor < 0:
         raise ValueError(f"backward_factor must be >= 0, got {backward_factor}")
     itemsize = _ITEMSIZE.get(profile.dtype, 2)
-    factor = 1.0 + float(backward_factor) + (1.0 if reforward else 0.0)
+    factor = 1.0 + float(backward_factor)
+    rerun = list(profile.rerun_seconds or profile.forward_seconds)
     h2d, d2h = profile.h2d_bytes_per_s, profile.d2h_bytes_per_s
     if duplex:
         h2d, d2h = min(h2d, profile.duplex_bytes_per_s / 2), min(d2h, profile.duplex_bytes_per_s / 2)
     return ScheduleProblem(
         activation_bytes=list(profile.activation_bytes),
         forward_seconds=list(profile.forward_seconds),
-        window_seconds=[factor * f for f in profile.forward_seconds],
+        window_seconds=[factor * f + (r if reforward else 0.0) for f, r in zip(profile.forward_seconds, rerun)],
+        rerun_seconds=rerun,
         param_h2d_bytes=[(2 if reforward else 1) * b for b in profile.param_bytes],
         grad_d2h_bytes=[b * (grad_bytes_per_param or itemsize) // itemsize for b in profile.param_bytes],
         gpu_budget_bytes=int(gpu_budget_bytes),

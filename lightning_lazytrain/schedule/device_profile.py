@@ -54,6 +54,7 @@ def measured_profile(
         torch.cuda.empty_cache()
     ratio = batch / measured_batch
     per_kind = {kind: t * ratio for kind, t in zip(kinds, measured.forward_seconds)}
+    rerun = {kind: t * ratio for kind, t in zip(kinds, measured.rerun_seconds)}
     memory = {kind: (int(g * ratio), int((w - p) * ratio) + p)
               for kind, g, w, p in zip(kinds, measured.graph_bytes, measured.working_bytes, measured.param_bytes)}
     partial = {kind: (int(g * ratio), t * ratio)
@@ -65,6 +66,7 @@ def measured_profile(
         measured,
         batch=batch,
         forward_seconds=[per_kind[t] for t in types],
+        rerun_seconds=[rerun[t] for t in types] if rerun else [],
         head_seconds=measured.head_seconds * ratio,
         activation_bytes=[act] * (adapter.num_layers + 1),
         param_bytes=[unique_numel(layer) * itemsize for layer in adapter.layers],

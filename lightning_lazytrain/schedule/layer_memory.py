@@ -8,7 +8,8 @@ intermediates, the input gradient and the weight gradients. The graph of a layer
 (``engine/mlp_recompute.py``) is measured the same way under ``checkpointed_mlp``, and estimated as the graph
 without the MLP's intermediates (the MLP's input stays: it is the second norm's output).
 ``saved_tensor_bytes`` counts what autograd really saves (saved-tensor hooks),
-the reference the estimate is tested against.
+the reference the estimate is tested against. The analytic estimates also give the two times the MILP weighs with
+these bytes: an MLP's forward and the output projection a layer's re-run skips.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_lazytrain.engine.gradient_only_linear import skips_mlp_output
 from lightning_lazytrain.engine.mlp_recompute import checkpointed_mlp
 from lightning_lazytrain.models.adapter import ModelAdapter
 from lightning_lazytrain.models.fused_kernels import UNFUSED, FusedParts, fusable
@@ -122,6 +124,13 @@ def analytic_layer_estimates(adapter: ModelAdapter, tokens: int, itemsize: int, 
                          for j, t in enumerate(types)],
         mlp_seconds=[2.0 * unique_numel(layer.mlp) * tokens / flops_per_s for layer in layers],
     )
+
+
+def output_projection_seconds(adapter: ModelAdapter, tokens: int, flops_per_s: float) -> list[float]:
+    """Per layer, the seconds of its MLP's output projection over ``tokens`` at ``flops_per_s``, which its re-run in
+    the backward skips (0 where the layer runs it in full: ``skips_mlp_output``)."""
+    return [2.0 * layer.mlp.down_proj.weight.numel() * tokens / flops_per_s if skips_mlp_output(layer) else 0.0
+            for layer in adapter.layers]
 
 
 def measure_layer_memory(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict) -> tuple[int, int]:

@@ -16,8 +16,9 @@ Model as implemented (layers j = 0..L-1, layer j reads boundary j and writes j+1
 ``predicted_exposed_seconds`` = recompute seconds ``sum R x`` + charged slack seconds (the four slack terms), i.e.
 the objective without tie-breakers. PCIe and disk slack of one window are added, not max'ed: an upper estimate.
 Kept graphs, weight slots and each block's transient memory (rebuilt boundaries, working set) are added by
-``milp_memory.py``; the re-run a kept graph saves, ``rho_j (1 - k_j - r_j) + mu_j r_j`` (``r_j``: kept but the
-MLP re-runs, ``mu_j`` its time), is in the objective, not in ``predicted_exposed_seconds``.
+``milp_memory.py``; the re-run a kept graph saves, ``rho'_j (1 - k_j - r_j) + mu_j r_j`` (``rho'_j``:
+``rerun_seconds[j]``, the re-run without the MLP's output projection; ``r_j``: kept but the MLP re-runs, ``mu_j``
+its time), is in the objective, not in ``predicted_exposed_seconds``.
 """
 
 from __future__ import annotations
@@ -128,12 +129,12 @@ def _build(p: ScheduleProblem, engine_windows: bool = False) -> pyo.ConcreteMode
         p.lambda_materialize * (m.g[i] + m.c[i] + m.n[i]) + p.lambda_cpu * m.c[i] + p.lambda_nvme * m.n[i]
         for i in inner))
     # Where a layer may keep its graph, its backward's forward-with-grad re-run is a cost it can avoid: counted as
-    # rho_j (1 - k_j - r_j) + mu_j r_j, so the objective stays the seconds of re-runs and stalls (and the MIP gap is
+    # rho'_j (1 - k_j - r_j) + mu_j r_j, so the objective stays the seconds of re-runs and stalls (and the MIP gap is
     # relative to it).
     mu = p.mlp_seconds or [0.0] * n
-    m.graph_saving = pyo.Expression(expr=qs(p.forward_seconds[j] * m.held[j] for j in m.held)
+    m.graph_saving = pyo.Expression(expr=qs(p.reruns[j] * m.held[j] for j in m.held)
                                     - qs(mu[j] * m.r[j] for j in m.r))
-    m.reruns = pyo.Expression(expr=qs(p.forward_seconds[j] * (1 - m.held[j]) for j in m.held)
+    m.reruns = pyo.Expression(expr=qs(p.reruns[j] * (1 - m.held[j]) for j in m.held)
                               + qs(mu[j] * m.r[j] for j in m.r))
     m.obj = pyo.Objective(expr=m.recompute + m.slack + m.ties + m.reruns, sense=pyo.minimize)
     m._edges, m._inner = edges, inner

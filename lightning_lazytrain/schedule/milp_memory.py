@@ -3,13 +3,14 @@
 Per layer j a binary ``k_j`` (offered where ``ScheduleProblem.may_keep_graph(j)``): layer j keeps its autograd graph
 from the forward, so its backward runs without a re-forward. It needs block (j, j+1) (``k_j <= x(j, j+1)``) and its
 input boundary on the GPU (the graph holds it: ``k_j <= g_j``); it holds ``graph_bytes[j]`` and one weight slot
-until its backward; it saves ``forward_seconds[j]`` of compute (objective ``+ rho_j (1 - k_j)``) and shrinks
-window j by that time and by one of the two weight copies of ``param_h2d_bytes[j]`` (the capacity terms of ``milp.py``).
+until its backward; it saves its re-run, ``rerun_seconds[j]`` of compute (objective ``+ rho'_j (1 - k_j)``), and
+shrinks window j by that time and by one of the two weight copies of ``param_h2d_bytes[j]`` (the capacity terms of
+``milp.py``).
 
 A second binary ``r_j`` (offered where ``may_recompute_mlp(j)``): layer j keeps its graph but re-runs its MLP in
 the backward (``Schedule.mlp_recompute``). It is exclusive with ``k_j`` (``k_j + r_j <= x(j, j+1)``), needs its
 input on the GPU like ``k_j``, holds ``mlp_graph_bytes[j]`` and one slot, and costs ``mlp_seconds[j]`` in the
-objective instead of ``forward_seconds[j]``. ``m.held[j] = k_j + r_j`` (the layer holds weights and a graph from
+objective instead of ``rerun_seconds[j]``. ``m.held[j] = k_j + r_j`` (the layer holds weights and a graph from
 the forward) is what the transfer rows read: they give an ``r_j`` layer a kept layer's window, one
 ``mlp_seconds[j]`` short of what it computes, a lower estimate of the time transfers can hide in.
 

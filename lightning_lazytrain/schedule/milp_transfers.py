@@ -5,7 +5,7 @@ so that a plan the solver calls hidden is hidden when it runs:
 
 * A step is the forward of layers 0..L-1, the head (window L), then the backward blocks from the top. Window w
   has a forward part (``forward_seconds[w]``) and a backward part (``window_seconds[w] - forward_seconds[w]``; a
-  layer that keeps its graph runs no forward-with-grad there, so one ``forward_seconds[w]`` less).
+  layer that keeps its graph runs no re-run there, so one ``rerun_seconds[w]`` less).
 * Offload of boundary i: during the forward of layers i..L-1, on the D2H link (nothing else uses it in the
   forward: gradients go back in the backward). A CPU offload may also run during the head; an NVMe one may not,
   since the forward waits for every spill write before the head starts (``ActivationHomes.flush``). NVMe bytes
@@ -42,7 +42,7 @@ def add_transfers(m: pyo.ConcreteModel, p: ScheduleProblem, a: list[float], inne
     head = p.head_seconds
     fwd = list(p.forward_seconds) + [head]
     bwd = [max(0.0, p.window_seconds[w] - p.forward_seconds[w]) for w in range(n)] + [head]
-    bwd_kept = [max(0.0, bwd[w] - p.forward_seconds[w]) for w in range(n)] + [head]
+    bwd_kept = [max(0.0, bwd[w] - p.reruns[w]) for w in range(n)] + [head]
     h2d_bwd = [b / 2 for b in p.param_h2d_bytes] + [0]
     wins = list(range(n + 1))  # n = the head
     free_d = [fwd[w] * p.d2h_bytes_per_s / GIB for w in wins]

@@ -29,7 +29,7 @@ def add_window_transfers(m: pyo.ConcreteModel, p: ScheduleProblem, a: list[float
     cap_w = [secs[w] * p.nvme_write_bytes_per_s / GIB for w in wins]
     cap_r = [secs[w] * p.nvme_read_bytes_per_s / GIB for w in wins]
     # A layer that keeps its graph runs no forward-with-grad in its backward and needs one weight copy, not two.
-    kept = [secs[w] - (p.forward_seconds[w] if w < n else 0.0) for w in wins]
+    kept = [secs[w] - (p.reruns[w] if w < n else 0.0) for w in wins]
     kfree_d = [max(0.0, kept[w] * p.d2h_bytes_per_s - g_d2h[w]) / GIB for w in wins]
     kfree_h = [max(0.0, kept[w] * p.h2d_bytes_per_s - p_h2d[w] / 2) / GIB for w in wins]
     kcap_w = [kept[w] * p.nvme_write_bytes_per_s / GIB for w in wins]

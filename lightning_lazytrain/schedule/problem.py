@@ -40,8 +40,12 @@ class ScheduleProblem:
 
     Args:
         activation_bytes: ``A_i`` for boundaries ``0..L`` (L+1 entries): bytes of the hidden state at boundary i.
-        forward_seconds: ``rho_j`` for layers ``0..L-1``: time of one forward of layer j (the re-forward cost).
-        window_seconds: compute time of window w (layer w's forward + backward), the time transfers can hide in.
+        forward_seconds: ``rho_j`` for layers ``0..L-1``: time of one forward of layer j (what re-building a
+            dropped boundary costs).
+        rerun_seconds: per layer, its forward-with-grad re-run in its own backward, which skips the MLP's output
+            projection (`engine/gradient_only_linear.py`): what keeping its graph saves. ``None``: ``forward_seconds``.
+        window_seconds: compute time of window w (layer w's forward, re-run and backward), the time transfers can
+            hide in.
         param_h2d_bytes: mandatory parameter bytes copied host->GPU during window w (both passes together).
         grad_d2h_bytes: mandatory gradient bytes copied GPU->host during window w.
         gpu_budget_bytes / cpu_budget_bytes / nvme_budget_bytes: bytes available for saved boundaries per home
@@ -96,6 +100,7 @@ class ScheduleProblem:
     fixed_slots: int = 0
     gpu_total_bytes: int | None = None
     keep_graph_layers: list[int] = field(default_factory=list)
+    rerun_seconds: list[float] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.activation_bytes, (list, tuple)) or len(self.activation_bytes) < 2:
@@ -137,6 +142,9 @@ class ScheduleProblem:
         self.grad_d2h_bytes = [int(v) for v in self.grad_d2h_bytes]
         self.forward_seconds = [float(v) for v in self.forward_seconds]
         self.window_seconds = [float(v) for v in self.window_seconds]
+        if self.rerun_seconds is not None:
+            _check_list("rerun_seconds", self.rerun_seconds, n, integral=False)
+            self.rerun_seconds = [float(v) for v in self.rerun_seconds]
 
     @property
     def num_layers(self) -> int:
@@ -148,6 +156,11 @@ class ScheduleProblem:
         and the GPU has nothing but the embedding to run beside it, so it is exposed whatever the plan (one
         ``slot_bytes`` over the H2D link; 0 where the slot size is not given)."""
         return self.slot_bytes / self.h2d_bytes_per_s
+
+    @property
+    def reruns(self) -> list[float]:
+        """``rho'_j``: each layer's re-run in its backward (``rerun_seconds``, else ``forward_seconds``)."""
+        return self.rerun_seconds if self.rerun_seconds is not None else self.forward_seconds
 
     def recompute_seconds(self, s: int, e: int) -> float:
         """R(s, e): re-forward time of block (s, e); its last layer runs with grad anyway, so it is free."""

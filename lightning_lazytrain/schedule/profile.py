@@ -9,8 +9,6 @@ given. Results are cached as JSON per machine + model shape + batch + seq + dtyp
 
 from __future__ import annotations
 
-import copy
-import gc
 import hashlib
 import json
 import os
@@ -25,17 +23,11 @@ from lightning_lazytrain.engine.link import measure_link_cuda
 from lightning_lazytrain.models.adapter import ModelAdapter
 from lightning_lazytrain.models.fused_kernels import fused_count
 
-from .layer_memory import (
-    LayerEstimates,
-    analytic_layer_estimates,
-    measure_layer_memory,
-    measure_mlp_recompute_graph,
-    unique_numel,
-)
+from .layer_memory import LayerEstimates, analytic_layer_estimates, output_projection_seconds, unique_numel
+from .measure import measure_head, measure_layers
 from .spill_probe import measure_disk
-from .timing import rotary_inputs, time_cuda
 
-PROFILE_VERSION = 3  # 3: the MLP re-run's graph bytes and seconds
+PROFILE_VERSION = 4  # 3: the MLP re-run's graph bytes and seconds; 4: the re-run without the output projection
 ANALYTIC_FLOPS = 1e11  # FLOP/s assumed for analytic compute estimates (no CUDA device to measure on)
 # REFERENCE.md, H200 benchmark machine: pinned PCIe per direction / both at once (total), disk write / read.
 H200_H2D, H200_D2H, H200_DUPLEX = 55.5e9, 55.3e9, 101e9
@@ -58,6 +50,8 @@ class Profile:
     or "analytic". Empty memory lists: not profiled (the MILP then offers no kept graphs).
     mlp_graph_bytes[j] / mlp_seconds[j]: the graph bytes of layer j when its MLP re-runs in the backward, and one
     no-grad forward of its MLP; empty: not profiled (the MILP does not offer that choice).
+    rerun_seconds[j]: one forward of layer j without its MLP's output projection, what its re-run in the backward
+    computes (`engine/gradient_only_linear.py`); empty: not profiled (``forward_seconds``).
     """
 
     forward_seconds: list[float]
@@ -79,6 +73,7 @@ class Profile:
     working_bytes: list[int] = field(default_factory=list)
     mlp_graph_bytes: list[int] = field(default_factory=list)
     mlp_seconds: list[float] = field(default_factory=list)
+    rerun_seconds: list[float] = field(default_factory=list)
     info: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -99,6 +94,10 @@ class Profile:
         self.mlp_graph_bytes = [int(v) for v in self.mlp_graph_bytes]
         self.mlp_seconds = [float(v) for v in self.mlp_seconds]
         self.working_bytes = [int(v) for v in self.working_bytes]
+        if len(self.rerun_seconds) not in (0, n):
+            raise ValueError(f"Profile needs L={n} rerun_seconds (or none: not profiled), got "
+                             f"{len(self.rerun_seconds)}")
+        self.rerun_seconds = [float(v) for v in self.rerun_seconds]
         for name in ("h2d_bytes_per_s", "d2h_bytes_per_s", "duplex_bytes_per_s", "nvme_read_bytes_per_s",
                      "nvme_write_bytes_per_s"):
             if not float(getattr(self, name)) > 0:
@@ -133,16 +132,6 @@ class Profile:
         return cls.from_dict(json.loads(text))
 
 
-def _layer_groups(adapter: ModelAdapter) -> dict[tuple, list[int]]:
-    """Layers grouped by (layer type, parameter names and shapes): one measurement per group."""
-    types = adapter.layer_types()
-    groups: dict[tuple, list[int]] = {}
-    for j, layer in enumerate(adapter.layers):
-        shapes = tuple((name, tuple(p.shape)) for name, p in layer.named_parameters())
-        groups.setdefault((types[j], shapes), []).append(j)
-    return groups
-
-
 def _attention_flops(config, layer_type: str, batch: int, seq: int) -> float:
     """Forward FLOPs of the token mixing not in the weights: causal QK^T + AV, or a chunked linear attention."""
     if layer_type == "linear_attention":
@@ -150,50 +139,6 @@ def _attention_flops(config, layer_type: str, batch: int, seq: int) -> float:
         return 4.0 * batch * seq * min(seq, 64) * dv  # chunk-64 gated delta rule, linear in seq
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 4.0 * batch * seq * seq * config.num_attention_heads * head_dim * 0.5
-
-
-def _measure_layers(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, dtype,
-                    timer=time_cuda) -> dict[int, tuple[float, int, int, float, int]]:
-    """Per layer index: seconds of one no-grad forward (timed with ``timer``), on CUDA the graph and peak working
-    bytes of a forward-with-grad + backward (0, 0 elsewhere), seconds of one no-grad MLP forward and, on CUDA, the
-    graph bytes with the MLP re-run in the backward (0 elsewhere); one copy of one layer per group."""
-    hidden = adapter.model.config.hidden_size
-    rotary = copy.deepcopy(adapter.rotary).to(device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    h = torch.randn(batch, seq, hidden, device=device, dtype=dtype, generator=gen)
-    pos, pe = rotary_inputs(rotary, h, batch, seq)
-    kwargs = {"attention_mask": None, "position_ids": pos, "position_embeddings": pe}
-    out: dict[int, tuple[float, int, int, float, int]] = {}
-    for (_, _), members in _layer_groups(adapter).items():
-        layer = copy.deepcopy(adapter.layers[members[0]]).to(device=device, dtype=dtype).eval()
-        with torch.no_grad():
-            secs = timer(lambda layer=layer: layer(h, **kwargs), device)
-            mlp_secs = timer(lambda layer=layer: layer.mlp(h), device)  # the MLP sees a hidden-sized input
-        cuda = device.type == "cuda"
-        graph, peak = measure_layer_memory(layer, h, kwargs) if cuda else (0, 0)
-        partial = measure_mlp_recompute_graph(layer, h, kwargs) if cuda else 0
-        del layer
-        for j in members:
-            out[j] = (secs, graph, peak, mlp_secs, partial)
-    # a submodule with a fused kernel's bound forward is a reference cycle: free the copies' device weights now,
-    # before the plan reads the free memory and the steps run beside them
-    gc.collect()
-    return out
-
-
-def _measure_head(adapter: ModelAdapter, tokens: int, device: torch.device, dtype, timer=time_cuda) -> float:
-    """lm_head + cross-entropy forward and backward on a chunk of <= 4096 tokens, scaled to ``tokens``."""
-    head = adapter.lm_head.weight
-    chunk = min(tokens, 4096)
-    w = head.detach().to(device=device, dtype=dtype).requires_grad_(True)
-    x = torch.randn(chunk, head.shape[1], device=device, dtype=dtype, requires_grad=True)
-    y = torch.randint(0, head.shape[0], (chunk,), device=device)
-
-    def step() -> None:
-        loss = torch.nn.functional.cross_entropy((x @ w.t()).float(), y)
-        loss.backward()
-
-    return timer(step, device) * tokens / chunk
 
 
 def _measure(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, stream_dtype: torch.dtype,
@@ -206,19 +151,20 @@ def _measure(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, 
     cuda = device.type == "cuda"
     src = dict.fromkeys(SOURCE_KEYS, "measured" if cuda else "analytic")
     if cuda:
-        per_layer = _measure_layers(adapter, batch, seq, device, stream_dtype)
-        forward = [per_layer[j][0] for j in range(n)]
-        layers = LayerEstimates(graph_bytes=[per_layer[j][1] for j in range(n)],
-                                working_bytes=[per_layer[j][2] for j in range(n)],
-                                mlp_graph_bytes=[per_layer[j][4] for j in range(n)],
-                                mlp_seconds=[per_layer[j][3] for j in range(n)])
+        per_layer = [measure_layers(adapter, batch, seq, device, stream_dtype)[j] for j in range(n)]
+        forward, rerun = [m.forward_seconds for m in per_layer], [m.rerun_seconds for m in per_layer]
+        layers = LayerEstimates(graph_bytes=[m.graph_bytes for m in per_layer],
+                                working_bytes=[m.working_bytes for m in per_layer],
+                                mlp_graph_bytes=[m.mlp_graph_bytes for m in per_layer],
+                                mlp_seconds=[m.mlp_seconds for m in per_layer])
         torch.cuda.empty_cache()
-        head = _measure_head(adapter, tokens, device, stream_dtype)
+        head = measure_head(adapter, tokens, device, stream_dtype)
         h2d, d2h, duplex = measure_link_cuda(device)
         name = torch.cuda.get_device_name(device)
     else:
         forward = [(2.0 * numel[j] * tokens + _attention_flops(config, types[j], batch, seq)) / ANALYTIC_FLOPS
                    for j in range(n)]
+        rerun = [f - d for f, d in zip(forward, output_projection_seconds(adapter, tokens, ANALYTIC_FLOPS))]
         layers = analytic_layer_estimates(adapter, tokens, itemsize, ANALYTIC_FLOPS)
         head = 6.0 * config.vocab_size * config.hidden_size * tokens / ANALYTIC_FLOPS
         h2d, d2h, duplex = H200_H2D, H200_D2H, H200_DUPLEX
@@ -233,7 +179,7 @@ def _measure(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, 
                    head_seconds=head, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, duplex_bytes_per_s=duplex,
                    nvme_read_bytes_per_s=read, nvme_write_bytes_per_s=write, device_name=name, sources=src,
                    batch=batch, seq=seq, dtype=str(stream_dtype).replace("torch.", ""), layer_types=types,
-                   **asdict(layers),
+                   rerun_seconds=rerun, **asdict(layers),
                    info={"analytic_flops": None if cuda else ANALYTIC_FLOPS, "working_set": src["forward_seconds"],
                          "spill_dir": spill_dir})
 

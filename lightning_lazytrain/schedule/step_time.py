@@ -1,10 +1,11 @@
 """Predicted seconds of one training step for a plan, from its profile.
 
 Forward of layer j: its compute ``rho_j`` or its weights' copy, whichever is longer (the copy of the next layer
-runs beside it). Backward of layer j: forward-with-grad + backward, ``(1 + backward_factor) rho_j``, against the
-weights' second copy and the gradient's copy back; a layer that keeps its graph skips the forward-with-grad and the
-second copy (one that re-runs its MLP adds the MLP's forward). Then the head, the plan's exposed seconds
-(re-forwards + transfers the links cannot hide, as the MILP charges them) and the optimizer update.
+runs beside it). Backward of layer j: its re-run (``rerun_seconds``, without the MLP's output projection) + the
+backward, ``backward_factor rho_j``, against the weights' second copy and the gradient's copy back; a layer that
+keeps its graph skips the re-run and the second copy (one that re-runs its MLP adds the MLP's forward). Then the
+head, the plan's exposed seconds (re-forwards + transfers the links cannot hide, as the MILP charges them) and the
+optimizer update.
 
 The update is counted as exposed in full: the measured H200 steps waited for nearly all of it (1.14 of 1.27 s of
 update work at 7B batch 64, 0.54 of 0.67 s at 3B batch 8; benchmarks/results/h200.json), because it can start
@@ -48,11 +49,12 @@ def predict_step(
     h2d, d2h = profile.h2d_bytes_per_s, profile.d2h_bytes_per_s
     grad_scale = (grad_bytes_per_param or _ITEMSIZE.get(profile.dtype, 2)) / _ITEMSIZE.get(profile.dtype, 2)
     forward = backward = 0.0
+    rerun = profile.rerun_seconds or profile.forward_seconds
     for j, (rho, nbytes) in enumerate(zip(profile.forward_seconds, profile.param_bytes)):
         copy = nbytes / h2d
         forward += max(rho, copy)
         kept = schedule.keep_graph[j]
-        compute = (backward_factor if kept else 1.0 + backward_factor) * rho
+        compute = backward_factor * rho + (0.0 if kept else rerun[j])
         if schedule.mlp_recompute[j]:  # the MLP's re-run in the layer's backward
             compute += profile.mlp_seconds[j] if profile.mlp_seconds else rho
         backward += max(compute, 0.0 if kept else copy, nbytes * grad_scale / d2h)
