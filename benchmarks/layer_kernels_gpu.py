@@ -3,10 +3,13 @@
     python benchmarks/layer_kernels_gpu.py --out benchmarks/results/layer_kernels_h100.json
 
 Per batch (Qwen2.5-7B shape, seq 1024, bf16, sdpa, no mask): the forward with grad, its backward, the forward
-without grad (what a re-run costs), the kept graph and the peak, each variant on the same layer and input, medians
-of CUDA-event timings. Agreement is the largest difference of the output and of every gradient to the HF layer's,
-relative to that tensor's largest magnitude. A profile of one forward+backward per variant splits the kernel time
-into matrix multiplies, attention and the rest.
+without grad (what rebuilding a boundary costs), the kept graph and the peak, each variant on the same layer and
+input, medians of CUDA-event timings. The backward's re-run skips the MLP's output projection
+(`engine/gradient_only_linear.py`): timed without grad, and as the re-run with grad plus its backward (what a layer
+without a kept graph costs in the backward), with its gradients' largest difference to the plain layer's.
+Agreement is the largest difference of the output and of every gradient to the HF layer's, relative to that
+tensor's largest magnitude. A profile of one forward+backward per variant splits the kernel time into matrix
+multiplies, attention and the rest.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 from common import median_seconds, print_table, qwen_config, write_results
 from transformers import AutoModelForCausalLM
 
+from lightning_lazytrain.engine.gradient_only_linear import mlp_output_skipped
 from lightning_lazytrain.models.adapter import adapter_for
 from lightning_lazytrain.models.fused_kernels import fuse_decoder_kernels, unfuse_decoder_kernels
 from lightning_lazytrain.schedule.timing import rotary_inputs
@@ -61,6 +65,10 @@ def _kernel_split(fn) -> dict:
     return split
 
 
+def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+
 def _measure(layer: torch.nn.Module, h: torch.Tensor, kwargs: dict, g: torch.Tensor, reps: int, profile: bool):
     params = list(layer.parameters())
     x = h.detach().requires_grad_()
@@ -76,6 +84,14 @@ def _measure(layer: torch.nn.Module, h: torch.Tensor, kwargs: dict, g: torch.Ten
         with torch.no_grad():
             run_layer()
 
+    def skipped_fwd_bwd():
+        with mlp_output_skipped(layer):
+            return fwd_bwd()
+
+    def skipped_nograd():
+        with mlp_output_skipped(layer):
+            nograd()
+
     for _ in range(2):
         fwd_bwd()
         nograd()
@@ -88,8 +104,12 @@ def _measure(layer: torch.nn.Module, h: torch.Tensor, kwargs: dict, g: torch.Ten
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     result = [out.detach(), *grads]
-    del out, grads
+    skipped = skipped_fwd_bwd()
+    skip_diff = max(_rel_diff(a, b) for a, b in zip(skipped, grads, strict=True))
+    del out, grads, skipped
     stats = {"fwd_bwd_ms": median_seconds(fwd_bwd, reps) * 1e3, "fwd_nograd_ms": median_seconds(nograd, reps) * 1e3,
+             "rerun_bwd_ms": median_seconds(skipped_fwd_bwd, reps) * 1e3,
+             "rerun_nograd_ms": median_seconds(skipped_nograd, reps) * 1e3, "rerun_grad_rel_diff": skip_diff,
              "graph_gib": graph / GIB, "peak_gib": peak / GIB, **(_kernel_split(fwd_bwd) if profile else {})}
     return result, stats
 
@@ -115,8 +135,7 @@ def _rows(batch: int, seq: int, reps: int, variants: list[str], profile_batch: i
         with _variant(name, layer):
             result, stats = _measure(layer, h, kwargs, g, reps, batch == profile_batch)
         reference = result if reference is None else reference
-        worst = max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
-                    for a, b in zip(result, reference, strict=True))
+        worst = max(_rel_diff(a, b) for a, b in zip(result, reference, strict=True))
         rows.append({"variant": f"b{batch} {name}", "kernels": name, "batch": batch, "seq": seq, **stats,
                      "max_rel_diff_vs_hf": worst, "status": "ok"})
     del model, adapter, layer, h, reference, result
@@ -140,7 +159,9 @@ def main() -> None:
             print(r["variant"], line)
         for key in ("gemm_ms", "attention_ms", "other_ms"):
             r.setdefault(key, float("nan"))  # profiled at one batch only
-    print_table(rows, [("fwd_bwd_ms", "fwd+bwd ms", ".1f"), ("fwd_nograd_ms", "re-run ms", ".1f"),
+    print_table(rows, [("fwd_bwd_ms", "fwd+bwd ms", ".1f"), ("fwd_nograd_ms", "fwd ms", ".1f"),
+                       ("rerun_nograd_ms", "re-run ms", ".1f"), ("rerun_bwd_ms", "re-run+bwd ms", ".1f"),
+                       ("rerun_grad_rel_diff", "re-run diff", ".1e"),
                        ("graph_gib", "graph", ".2f"), ("peak_gib", "peak", ".2f"),
                        ("max_rel_diff_vs_hf", "rel diff", ".1e"), ("gemm_ms", "gemm", ".1f"),
                        ("attention_ms", "attn", ".1f"), ("other_ms", "other", ".1f")], width=18)
