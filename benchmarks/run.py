@@ -32,7 +32,7 @@ from common import (
     run_fit,
 )
 from probe import HostPeakSampler, trainer_facts
-from systems import SYSTEMS, build, work_ratio
+from systems import SYSTEMS, build, rerun_share, work_ratio
 
 import lightning_lazytrain  # noqa: F401
 
@@ -103,7 +103,7 @@ def one_run(system: str, shape: str, batch: int, cap: float | None, steps: int, 
     engine = s["engine"]
     tokens = batch * SEQ
     fpt = model_flops_per_token(qwen_config(shape), _num_params(shape), SEQ)
-    ratio = work_ratio(system, timer.plan)
+    ratio = work_ratio(system, timer.plan, rerun_share(qwen_config(shape), SEQ))
     stall = engine.get("stall_s", 0.0)
     waits = engine.get("update_wait_s", 0.0)
     schedule = getattr(getattr(run.strategy, "resume", None), "schedule_result", None)

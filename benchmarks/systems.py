@@ -134,10 +134,20 @@ class ZeroInitModule(BenchModule):
         self.model = model
 
 
-def work_ratio(system: str, plan) -> float:
+def rerun_share(cfg, seq: int) -> float:
+    """The share of a layer's forward FLOPs that lazytrain's re-run in the backward executes: all but the MLP's
+    output projection (`engine/gradient_only_linear.py`), counted as ``model_flops_per_token`` counts a layer
+    (2 FLOPs a weight, 4 x hidden x seq for the attention's mixing)."""
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    kv = cfg.num_key_value_heads * (getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads)
+    weights = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inter
+    return 1.0 - 2 * hidden * inter / (2 * weights + 4 * hidden * seq)
+
+
+def work_ratio(system: str, plan, rerun: float = 1.0) -> float:
     """Executed / model FLOPs of the decoder stack: forward + backward is 3 forwards' worth of work; every layer
-    that does not keep its graph re-runs its forward with grad in the backward, and a recompute block re-runs
-    its inner layers once more without grad."""
+    that does not keep its graph re-runs ``rerun`` of its forward with grad in the backward (``rerun_share``),
+    and a recompute block re-runs its inner layers once more without grad."""
     if system in ("gpu-resident-ckpt", "gpu-resident-ckpt-liger",
                   "fsdp-cpu-offload", "fsdp-cpu-offload-fused", "deepspeed-z3-offload",
                   "deepspeed-z3-offload-fair"):
@@ -146,4 +156,4 @@ def work_ratio(system: str, plan) -> float:
         return 1.0
     extra = sum(e - s - 1 for s, e in plan.blocks())
     reforward = plan.num_layers - plan.graph_layers
-    return (3 * plan.num_layers + reforward + extra) / (3 * plan.num_layers)
+    return (3 * plan.num_layers + rerun * reforward + extra) / (3 * plan.num_layers)
