@@ -53,15 +53,15 @@ def build_problem(profile: Profile, gpu_budget_bytes: int, cpu_budget_bytes: int
         raise ValueError(f"backward_factor must be >= 0, got {backward_factor}")
     itemsize = _ITEMSIZE.get(profile.dtype, 2)
     factor = 1.0 + float(backward_factor)
-    rerun = list(profile.rerun_seconds or profile.forward_seconds)
     h2d, d2h = profile.h2d_bytes_per_s, profile.d2h_bytes_per_s
     if duplex:
         h2d, d2h = min(h2d, profile.duplex_bytes_per_s / 2), min(d2h, profile.duplex_bytes_per_s / 2)
     return ScheduleProblem(
         activation_bytes=list(profile.activation_bytes),
         forward_seconds=list(profile.forward_seconds),
-        window_seconds=[factor * f + (r if reforward else 0.0) for f, r in zip(profile.forward_seconds, rerun)],
-        rerun_seconds=rerun,
+        window_seconds=[factor * f + (r if reforward else 0.0)
+                        for f, r in zip(profile.forward_seconds, profile.reruns, strict=True)],
+        rerun_seconds=list(profile.reruns),
         param_h2d_bytes=[(2 if reforward else 1) * b for b in profile.param_bytes],
         grad_d2h_bytes=[b * (grad_bytes_per_param or itemsize) // itemsize for b in profile.param_bytes],
         gpu_budget_bytes=int(gpu_budget_bytes),

@@ -112,6 +112,11 @@ class Profile:
     def num_layers(self) -> int:
         return len(self.forward_seconds)
 
+    @property
+    def reruns(self) -> list[float]:
+        """Each layer's re-run in the backward: ``rerun_seconds``, or ``forward_seconds`` where not profiled."""
+        return self.rerun_seconds or self.forward_seconds
+
     def to_dict(self) -> dict:
         return asdict(self)
 

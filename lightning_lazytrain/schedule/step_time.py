@@ -49,12 +49,11 @@ def predict_step(
     h2d, d2h = profile.h2d_bytes_per_s, profile.d2h_bytes_per_s
     grad_scale = (grad_bytes_per_param or _ITEMSIZE.get(profile.dtype, 2)) / _ITEMSIZE.get(profile.dtype, 2)
     forward = backward = 0.0
-    rerun = profile.rerun_seconds or profile.forward_seconds
     for j, (rho, nbytes) in enumerate(zip(profile.forward_seconds, profile.param_bytes)):
         copy = nbytes / h2d
         forward += max(rho, copy)
         kept = schedule.keep_graph[j]
-        compute = backward_factor * rho + (0.0 if kept else rerun[j])
+        compute = backward_factor * rho + (0.0 if kept else profile.reruns[j])
         if schedule.mlp_recompute[j]:  # the MLP's re-run in the layer's backward
             compute += profile.mlp_seconds[j] if profile.mlp_seconds else rho
         backward += max(compute, 0.0 if kept else copy, nbytes * grad_scale / d2h)
