@@ -5,7 +5,7 @@ known (it is the next boundary, or the next layer's rebuilt input) and only its 
 matmul whose result nothing else in the graph reads is the MLP's ``down_proj``: it feeds the residual add alone,
 whose backward needs no values. Its backward needs its input and weight, not its output. So in that re-run
 ``down_proj`` runs as ``GradientOnlyLinear``: it saves what the backward reads and returns a zero-strided
-placeholder instead of multiplying. At Qwen2.5-7B's shape that is 29% of the re-run's FLOPs.
+placeholder instead of multiplying. At Qwen2.5-7B's shape that is 28% of the re-run's FLOPs.
 
 It applies where ``layer.mlp.down_proj`` is a plain ``nn.Linear`` with no hooks (a LoRA wrapper, a quantized
 linear or a hook that reads the output keeps the full forward), in the families whose decoder layer adds the MLP's
