@@ -90,6 +90,26 @@ def test_measuring_code_runs_layers_and_head(family):
     assert all(0 < v.rerun_seconds <= v.forward_seconds for v in real.values())
 
 
+def test_device_profile_measures_the_layers_once(monkeypatch):
+    """The CUDA path of ``_measure`` (its device calls stubbed): one ``measure_layers`` call serves every layer."""
+    adapter = _adapter("qwen2")
+    calls = []
+
+    def layers(adapter, batch, seq, device, dtype):
+        calls.append(device)
+        return {j: measure_mod.LayerMeasurement(0.4, 0.3, 1, 2, 0.2, 1) for j in range(LAYERS)}
+
+    monkeypatch.setattr(profile_mod, "measure_layers", layers)
+    monkeypatch.setattr(profile_mod, "measure_head", lambda *args: 0.5)
+    monkeypatch.setattr(profile_mod, "measure_link_cuda", lambda device: (1e9, 1e9, 2e9))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "stub")
+    prof = profile_mod._measure(adapter, BATCH, SEQ, torch.device("cuda", 0), torch.bfloat16, None)
+    assert len(calls) == 1
+    assert prof.forward_seconds == [0.4] * LAYERS and prof.rerun_seconds == [0.3] * LAYERS
+    assert prof.mlp_seconds == [0.2] * LAYERS and prof.working_bytes == [2] * LAYERS
+
+
 def test_cache_hit_on_second_call(tmp_path, monkeypatch):
     adapter = _adapter("qwen2")
     first = profile_model(adapter, BATCH, SEQ, CPU, torch.bfloat16, cache_dir=str(tmp_path))

@@ -156,7 +156,8 @@ def _measure(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, 
     cuda = device.type == "cuda"
     src = dict.fromkeys(SOURCE_KEYS, "measured" if cuda else "analytic")
     if cuda:
-        per_layer = [measure_layers(adapter, batch, seq, device, stream_dtype)[j] for j in range(n)]
+        measured = measure_layers(adapter, batch, seq, device, stream_dtype)
+        per_layer = [measured[j] for j in range(n)]
         forward, rerun = [m.forward_seconds for m in per_layer], [m.rerun_seconds for m in per_layer]
         layers = LayerEstimates(graph_bytes=[m.graph_bytes for m in per_layer],
                                 working_bytes=[m.working_bytes for m in per_layer],
