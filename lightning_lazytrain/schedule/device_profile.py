@@ -66,7 +66,7 @@ def measured_profile(
         measured,
         batch=batch,
         forward_seconds=[per_kind[t] for t in types],
-        rerun_seconds=[rerun[t] for t in types] if rerun else [],
+        rerun_seconds=[rerun[t] for t in types],
         head_seconds=measured.head_seconds * ratio,
         activation_bytes=[act] * (adapter.num_layers + 1),
         param_bytes=[unique_numel(layer) * itemsize for layer in adapter.layers],
