@@ -7,9 +7,12 @@ Rungs, in order, each logged; a rung that would not change the plan is skipped:
 2. ``more recompute``: every other saved interior boundary is recomputed instead, and no graph is kept.
 3. ``CPU/NVMe homes``: every saved interior boundary still on the GPU moves to the CPU (alternately to NVMe when a
    spill dir is set).
+4. ``smaller layer micro-batches``: every layer runs the batch in twice as many row slices as before
+   (``Schedule.micro_batches``, `engine/micro_batches.py`), taken again on each later OOM until a slice is one row.
+   The user's batch, loss and optimizer step are unchanged, so unlike Lightning's gradient accumulation it needs
+   no change to the training loop; what it cannot shrink is the whole-batch boundaries and the head's chunk.
 
-When no rung is left, or after the first ``steps`` optimizer steps, the error is today's ``GpuMemoryError``. A
-smaller micro-batch with accumulation (a fourth rung) is not built: it needs the training loop to split batches.
+When no rung is left, or after the first ``steps`` optimizer steps, the error is today's ``GpuMemoryError``.
 """
 
 from __future__ import annotations
@@ -21,25 +24,25 @@ from collections.abc import Callable
 from lightning_lazytrain.engine import Schedule, StreamingExecutor
 
 log = logging.getLogger(__name__)
-RUNGS = ("smaller GPU budget", "more recompute", "CPU/NVMe homes")
+RUNGS = ("smaller GPU budget", "more recompute", "CPU/NVMe homes", "smaller layer micro-batches")
 
 
-def _rung_plan(
-    tiers: list[str], keep_graph: list[bool], rung: str, mlp_recompute: list[bool] | None = None
-) -> Schedule:
+def _rung_plan(plan: Schedule, tiers: list[str], keep_graph: list[bool], rung: str,
+               mlp_recompute: list[bool] | None = None, micro_batches: int | None = None) -> Schedule:
     # No recompute span: a rung may lengthen blocks past the one the plan was solved under, and that is the point.
-    return Schedule(tiers, status=f"oom rung: {rung}", keep_graph=keep_graph, mlp_recompute=mlp_recompute)
+    return Schedule(tiers, status=f"oom rung: {rung}", keep_graph=keep_graph, mlp_recompute=mlp_recompute,
+                    micro_batches=micro_batches or plan.micro_batches)
 
 
 def drop_graphs(plan: Schedule) -> Schedule:
-    return _rung_plan(plan.tiers, [False] * plan.num_layers, RUNGS[0])
+    return _rung_plan(plan, plan.tiers, [False] * plan.num_layers, RUNGS[0])
 
 
 def more_recompute(plan: Schedule) -> Schedule:
     homes, saved = list(plan.tiers), [i for i, h in enumerate(plan.tiers[1:-1], start=1) if h != "recompute"]
     for i in saved[::2]:
         homes[i] = "recompute"
-    return _rung_plan(homes, [False] * plan.num_layers, RUNGS[1])
+    return _rung_plan(plan, homes, [False] * plan.num_layers, RUNGS[1])
 
 
 def host_homes(plan: Schedule, spill_dir: str | None) -> Schedule:
@@ -47,7 +50,13 @@ def host_homes(plan: Schedule, spill_dir: str | None) -> Schedule:
     on_gpu = [i for i, h in enumerate(homes[1:-1], start=1) if h == "gpu" and not _graph_input(plan, i)]
     for k, i in enumerate(on_gpu):
         homes[i] = "nvme" if spill_dir is not None and k % 2 else "cpu"
-    return _rung_plan(homes, plan.keep_graph, RUNGS[2], plan.mlp_recompute)
+    return _rung_plan(plan, homes, plan.keep_graph, RUNGS[2], plan.mlp_recompute)
+
+
+def smaller_micro_batches(plan: Schedule, rows: int) -> Schedule:
+    """The same placement with twice the layer micro-batches, at most one row each (``rows``: the batch's)."""
+    micro = max(plan.micro_batches, min(2 * plan.micro_batches, rows))
+    return _rung_plan(plan, plan.tiers, plan.keep_graph, RUNGS[3], plan.mlp_recompute, micro)
 
 
 def _graph_input(plan: Schedule, i: int) -> bool:
@@ -71,33 +80,44 @@ class OomLadder:
     def plan_after_oom(self, executor: StreamingExecutor, settings, shape: tuple[int, int] | None,
                        failure: BaseException | None = None) -> Schedule | None:
         """The next rung's plan, or None when no rung changes the plan. Call it once the failed step's device
-        memory is released: an MILP rung budgets from what is free then."""
+        memory is released: an MILP rung budgets from what is free then. The micro-batch rung is kept in
+        ``settings`` too, so that a later re-plan solves for it."""
         milp = settings.kind() == "milp" and shape is not None
         resolve = milp_resolver(settings, executor, shape) if milp else None
-        return self.next_plan(executor.plan, settings.spill_dir, resolve, failure)
+        plan = self.next_plan(executor.plan, settings.spill_dir, resolve, failure, executor.batch_rows)
+        if plan is not None:
+            settings.layer_micro_batches = plan.micro_batches
+        return plan
 
     def next_plan(
         self, plan: Schedule, spill_dir: str | None, resolve: Callable[[float], Schedule | None] | None,
-        failure: BaseException | None = None,
+        failure: BaseException | None = None, rows: int = 0,
     ) -> Schedule | None:
-        """The plan of the next rung that changes ``plan``, or None when none is left. The log names the failed
-        allocation, the one number that tells a plan's under-count from fragmentation."""
+        """The plan of the next rung that changes ``plan``, or None when none is left (``rows``: the failed
+        batch's, which bounds the micro-batch rung). The log names the failed allocation, the one number that
+        tells a plan's under-count from fragmentation."""
         while self.rung < len(RUNGS):
-            name, self.rung = RUNGS[self.rung], self.rung + 1
+            name = RUNGS[self.rung]
             if name == RUNGS[0]:
                 candidate = (resolve(0.5) if resolve is not None else None) or drop_graphs(plan)
             elif name == RUNGS[1]:
                 candidate = more_recompute(plan)
-            else:
+            elif name == RUNGS[2]:
                 candidate = host_homes(plan, spill_dir)
+            else:
+                candidate = smaller_micro_batches(plan, rows)
+            if name != RUNGS[3] or candidate.same_placement(plan):
+                self.rung += 1  # the micro-batch rung is taken again until it changes nothing
             if not candidate.same_placement(plan):
                 self.taken.append(name)
                 log.warning(
-                    "lazytrain: out of GPU memory; fallback rung %d (%s): plan %s, %d kept graphs; it failed at: %s",
-                    self.rung,
+                    "lazytrain: out of GPU memory; fallback rung %d (%s): plan %s, %d kept graphs, %d layer "
+                    "micro-batches; it failed at: %s",
+                    RUNGS.index(name) + 1,
                     name,
                     candidate.counts(),
                     candidate.graph_layers,
+                    candidate.micro_batches,
                     _first_sentences(failure),
                 )
                 return candidate

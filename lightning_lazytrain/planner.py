@@ -34,9 +34,13 @@ class PlanSettings:
     max_recompute_span: int = 4
     solver_time_limit: float = 10.0
     solver_mip_gap: float = 0.01
+    layer_micro_batches: int = 1
 
     def __post_init__(self) -> None:
         self.kind()  # a schedule string that is not understood fails when the strategy is made
+        if not isinstance(self.layer_micro_batches, int) or self.layer_micro_batches < 1:
+            raise ValueError(f"layer_micro_batches={self.layer_micro_batches!r}: use an integer >= 1 (each layer runs "
+                             "the batch in that many row slices)")
 
     def kind(self) -> str:
         if re.fullmatch(r"interval:\d+", self.schedule.strip()):
@@ -58,12 +62,17 @@ def initial_plan(settings: PlanSettings, num_layers: int) -> Schedule:
         k = int(settings.schedule.split(":")[1])
         if k < 1:
             raise ValueError(f"schedule={settings.schedule!r}: the interval must be >= 1")
-        return Schedule.every(num_layers, k, settings.keep_graph_layers)
+        plan = Schedule.every(num_layers, k, settings.keep_graph_layers)
+        plan.micro_batches = settings.layer_micro_batches
+        return plan
     if kind == "json":
         if settings.keep_graph_layers:
             raise ValueError(f"keep_graph_layers={settings.keep_graph_layers} does not apply to the plan file "
                              f"{settings.schedule}: its 'keep_graph' list says which layers keep their graph; set it "
                              "there, or drop keep_graph_layers")
+        if settings.layer_micro_batches != 1:
+            raise ValueError(f"layer_micro_batches={settings.layer_micro_batches} does not apply to the plan file "
+                             f"{settings.schedule}: set its 'micro_batches' there, or drop layer_micro_batches")
         with open(settings.schedule) as f:
             schedule = Schedule.from_json(f.read())
         if schedule.num_layers != num_layers:
@@ -87,7 +96,8 @@ def solve_plan(settings: PlanSettings, executor: StreamingExecutor, batch: int, 
                            prefetch_depth=executor.prefetch_depth, loss_chunk_bytes=executor.loss_chunk_bytes,
                            head_grad_bytes=head_grad_sum_bytes(executor.adapter.lm_head),
                            max_recompute_span=settings.max_recompute_span,
-                           keep_graph_layers=settings.keep_graph_layers)
+                           keep_graph_layers=settings.keep_graph_layers,
+                           micro_batches=settings.layer_micro_batches)
     try:
         schedule = solve(problem, time_limit=settings.solver_time_limit, mip_gap=settings.solver_mip_gap)
     except InfeasibleScheduleError as exc:
@@ -99,6 +109,7 @@ def solve_plan(settings: PlanSettings, executor: StreamingExecutor, batch: int, 
             f"({executor.device_update_held_bytes / GIB:.3f} GiB of masters and states kept or staged there): "
             "device_update_states='staged', a lower device_update_share, or device_update_share=0.0 leaves it to "
             "the plan") from exc
+    schedule.micro_batches = settings.layer_micro_batches
     schedule.profile = profile  # what it was solved for: a re-plan starts from it
     log.info("lazytrain plan: %s, predicted exposed %.3f s", schedule.counts(), schedule.predicted_exposed_seconds)
     return schedule

@@ -67,14 +67,16 @@ class LazyTrainStrategy(CheckpointingStrategy):
             the device memory the plan may use, a quarter of the available host RAM, 80% of the spill dir's free
             space); the MILP also fits its slots, kept graphs and working sets into that device memory.
         spill_dir: directory for NVMe activation homes (files are removed at teardown and after a crash).
+        layer_micro_batches: each layer runs the batch in this many row slices and sums their weight gradients:
+            the same loss and gradients, a per-layer working set about that many times smaller (the MILP plans it).
         checkpoint_io: default ``AtomicCheckpointIO`` (atomic saves, verified loads; see docs/reliability.md).
         solver_time_limit / solver_mip_gap: HiGHS limits for the MILP.
         generation: how ``generate`` runs at evaluation: ``"auto"`` loads every layer onto the device once per
             evaluation when they fit beside the KV cache (freed before training resumes), else streams them per
             decode step for as many prompts as fit; ``"resident"`` / ``"streamed"`` force one (printed with bytes).
         oom_fallback_steps: an out-of-memory error in the first N optimizer steps re-plans one rung down (smaller
-            GPU budget, more recompute, CPU/NVMe homes; ``lightning_lazytrain/oom_ladder.py``) and runs the step
-            again; 0 stops at the first.
+            GPU budget, more recompute, CPU/NVMe homes, twice the layer micro-batches; ``oom_ladder.py``) and runs
+            the step again; 0 stops at the first.
         replan_every_n_steps: with ``schedule="milp"`` on CUDA, probe the link every N steps and solve the plan
             again when it drifted from the profile by more than 25% (``lightning_lazytrain/replan.py``); 0: never.
         fused_kernels: ``"auto"`` (default) runs the decoder layers' RMSNorm, SwiGLU MLP and RoPE through Liger-Kernel's
@@ -109,6 +111,7 @@ class LazyTrainStrategy(CheckpointingStrategy):
         nvme_activation_gib: float | None = None,
         spill_dir: str | None = None,
         max_recompute_span: int = 4,
+        layer_micro_batches: int = 1,
         solver_time_limit: float = 10.0,
         solver_mip_gap: float = 0.01,
         generation: GenerationMode = "auto",
@@ -136,7 +139,7 @@ class LazyTrainStrategy(CheckpointingStrategy):
         self.last_step_stats: dict[str, float] = {}
         self.plan_settings = PlanSettings(schedule, keep_graph_layers, gpu_activation_gib, cpu_activation_gib,
                                           nvme_activation_gib, spill_dir, max_recompute_span, solver_time_limit,
-                                          solver_mip_gap)
+                                          solver_mip_gap, layer_micro_batches)
         prefer_expandable_segments()  # before Lightning starts CUDA
         self.resume = ResumeState()
         self.admission_report: AdmissionReport | None = None

@@ -28,11 +28,11 @@ def _failing(model, failures: int) -> dict:
 
 
 @pytest.mark.parametrize("module_cls", [None, HybridModule], ids=["torch-adamw", "engine-updates"])
-def test_three_ooms_walk_the_rungs_and_training_matches_plain(caplog, tmp_path, module_cls):
+def test_four_ooms_walk_the_rungs_and_training_matches_plain(caplog, tmp_path, module_cls):
     model, data = tiny_model("qwen2"), batches(3)
     ref, _ = train(model, data, strategy=LazyTrainStrategy(schedule="interval:1"), module_cls=module_cls)
     failing = tiny_model("qwen2")
-    left = _failing(failing, 3)
+    left = _failing(failing, 4)
     strategy = LazyTrainStrategy(schedule="interval:1", keep_graph_layers=2, spill_dir=str(tmp_path))
     with caplog.at_level(logging.WARNING, logger="lightning_lazytrain.oom_ladder"):
         lt, trainer = train(failing, data, strategy=strategy, module_cls=module_cls)
@@ -41,6 +41,7 @@ def test_three_ooms_walk_the_rungs_and_training_matches_plain(caplog, tmp_path, 
     assert [m.split("(")[1].split(")")[0] for m in rungs] == list(RUNGS), rungs
     assert all(m.endswith("it failed at: CUDA out of memory. Tried to allocate 2.00 GiB") for m in rungs), rungs
     assert strategy.schedule_result is None  # an interval plan: nothing MILP-planned for checkpoints to carry
+    assert strategy.executor is None and strategy.plan_settings.layer_micro_batches == 2  # batch 2: one row a slice
     assert rel_diff(lt.model, ref.model) <= 1e-6
     assert trainer.global_step == 3
 
@@ -56,7 +57,20 @@ def test_last_rung_plan_is_the_expected_one():
         (("gpu",) * 5, (False,) * 4),
         (("gpu", "recompute", "gpu", "recompute", "gpu"), (False,) * 4),
         (("gpu", "recompute", "cpu", "recompute", "gpu"), (False,) * 4),
-    ]
+    ]  # no rows: the micro-batch rung cannot split the batch
+
+
+def test_the_micro_batch_rung_doubles_until_a_slice_is_one_row():
+    from lightning_lazytrain.engine import Schedule
+    from lightning_lazytrain.oom_ladder import OomLadder
+
+    ladder, plan = OomLadder(rung=3), Schedule(["gpu", "cpu", "gpu"], keep_graph=[False, True])
+    seen = []
+    while (plan := ladder.next_plan(plan, None, None, rows=6)) is not None:
+        seen.append(plan.micro_batches)
+        assert plan.tiers == ["gpu", "cpu", "gpu"] and plan.keep_graph == [False, True]
+    assert seen == [2, 4, 6] and ladder.taken == [RUNGS[3]] * 3
+    assert not ladder.applies(0, 1)
 
 
 def test_ooms_past_the_last_rung_stop_with_todays_message():
@@ -66,7 +80,8 @@ def test_ooms_past_the_last_rung_stop_with_todays_message():
     with pytest.raises(GpuMemoryError, match="out of memory inside a training step") as err:
         train(model, batches(2), strategy=strategy)
     assert "a smaller batch with accumulate_grad_batches" in str(err.value)
-    assert strategy.oom_ladder.taken == ["more recompute", "CPU/NVMe homes"]  # no graphs to drop: rung 1 skipped
+    # no graphs to drop: rung 1 skipped; batch 2: one micro-batch rung, then a slice is one row
+    assert strategy.oom_ladder.taken == ["more recompute", "CPU/NVMe homes", "smaller layer micro-batches"]
 
 
 def test_no_fallback_after_the_first_steps():

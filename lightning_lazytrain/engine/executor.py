@@ -76,6 +76,7 @@ class StreamingExecutor:
         self._resident_generation = -1
         self._anchor = torch.empty(0, device=device, requires_grad=True)
         self._pending: list[LayerCall] = []
+        self.batch_rows = 0  # the rows of the last batch the stack ran (the OOM ladder's micro-batch bound)
         self.hooks = ModelHooks(self, self.resident_modules)
 
     def use_path(self, path: UpdatePath) -> None:
@@ -184,6 +185,7 @@ class StreamingExecutor:
 
     def run_stack(self, hidden: torch.Tensor) -> torch.Tensor:
         calls, self._pending = self._pending, []
+        self.batch_rows = hidden.shape[0]
         if len(calls) != len(self.layers):
             raise RuntimeError(f"lazytrain saw {len(calls)} of {len(self.layers)} decoder layer calls before the norm")
         device_type = self.device.type

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 HOMES = ("gpu", "cpu", "nvme", "recompute")
 _VERSION = 1
 _FIELDS = ("tiers", "objective", "predicted_exposed_seconds", "status", "keep_graph", "max_recompute_span", "info",
-           "mlp_recompute")
+           "mlp_recompute", "micro_batches")
 
 
 @dataclass
@@ -37,8 +37,10 @@ class Schedule:
     autograd graph on the GPU, so its backward needs no re-forward; it requires (j, j+1) to be a block.
     ``mlp_recompute[j]`` (a kept-graph layer only) keeps that graph without the MLP's intermediates: only the MLP's
     input is saved and the MLP runs again in the layer's backward.
+    ``micro_batches`` > 1 runs every layer on that many row slices of the batch, one after the other, and sums
+    their weight gradients (`micro_batches.py`): the same gradients, a per-layer working set that much smaller.
     ``objective``, ``predicted_exposed_seconds``, ``status`` and ``info`` are what the planner says of the plan; the
-    engine reads only the tiers, ``keep_graph`` and ``mlp_recompute``.
+    engine reads only the tiers, ``keep_graph``, ``mlp_recompute`` and ``micro_batches``.
     """
 
     tiers: list[str]
@@ -49,6 +51,7 @@ class Schedule:
     max_recompute_span: int | None = None
     info: dict = field(default_factory=dict)
     mlp_recompute: list[bool] | None = None
+    micro_batches: int = 1
 
     def __post_init__(self) -> None:
         self.tiers = list(self.tiers)
@@ -73,6 +76,9 @@ class Schedule:
         if loose:
             raise ValueError(f"mlp_recompute layers {loose} must also keep their graph (keep_graph); a layer that "
                              f"re-runs in the backward re-runs its MLP anyway")
+        if int(self.micro_batches) != self.micro_batches or self.micro_batches < 1:
+            raise ValueError(f"micro_batches must be an integer >= 1, got {self.micro_batches!r}")
+        self.micro_batches = int(self.micro_batches)
         if self.max_recompute_span is not None:
             too_long = [b for b in self.blocks() if b[1] - b[0] > self.max_recompute_span]
             if too_long:
@@ -143,7 +149,7 @@ class Schedule:
     def same_placement(self, other: Schedule) -> bool:
         """Whether both plans run the same way (what the planner says of them aside)."""
         return (self.tiers == other.tiers and self.keep_graph == other.keep_graph
-                and self.mlp_recompute == other.mlp_recompute)
+                and self.mlp_recompute == other.mlp_recompute and self.micro_batches == other.micro_batches)
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps({"version": _VERSION, **{name: getattr(self, name) for name in _FIELDS}}, indent=indent)

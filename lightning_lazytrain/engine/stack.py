@@ -19,6 +19,7 @@ from torch import nn
 from lightning_lazytrain.engine.activations.homes import ActivationHomes
 from lightning_lazytrain.engine.device import DeviceQueues
 from lightning_lazytrain.engine.gradient_only_linear import mlp_output_skipped
+from lightning_lazytrain.engine.micro_batches import SummedGrads, row_slices, split_call
 from lightning_lazytrain.engine.mlp_recompute import checkpointed_mlp
 from lightning_lazytrain.engine.plan import Schedule
 from lightning_lazytrain.engine.rng import RngState, capture_rng, restore_rng, rng_fork
@@ -41,8 +42,7 @@ class LayerCall:
 
 @dataclass
 class _Graph:
-    inputs: torch.Tensor
-    output: torch.Tensor
+    pairs: list[tuple[torch.Tensor, torch.Tensor]]  # (input, output) of each micro-batch
     leaves: list[torch.Tensor]
     slot: Slot
 
@@ -76,6 +76,7 @@ class StackRun:
     calls: list[LayerCall]
     autocast: tuple[bool, torch.dtype] = (False, torch.bfloat16)
     graphs: dict[int, _Graph] = field(default_factory=dict)
+    rows: int = 0  # the batch's rows, which the layer calls' batch-sized tensors have
     # the generators' states before each layer that runs again in the backward (dropout draws the same masks)
     rng: dict[int, RngState] = field(default_factory=dict)
 
@@ -83,12 +84,29 @@ class StackRun:
         enabled, dtype = self.autocast
         return torch.autocast(self.ctx.device.type, dtype=dtype, enabled=enabled)
 
-    def _layer(self, j: int, hidden: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    def _rows(self, hidden: torch.Tensor) -> list[slice]:
+        return row_slices(hidden.shape[0], self.ctx.plan.micro_batches)
+
+    def _call(self, j: int, hidden: torch.Tensor, part: slice, weights: list[torch.Tensor]) -> torch.Tensor:
+        """Layer j on the rows ``part`` of the batch; ``hidden`` holds those rows only."""
         ex = self.ctx
-        layer, unit, call = ex.layers[j], ex.units[j], self.calls[j]
-        with bound(unit, weights), ex.queues.busy():
-            out = type(layer).forward(layer, hidden, *call.args, **call.kwargs)
+        layer, call = ex.layers[j], self.calls[j]
+        args, kwargs = split_call(call.args, call.kwargs, self.rows, part)
+        with bound(ex.units[j], weights), ex.queues.busy():
+            out = type(layer).forward(layer, hidden, *args, **kwargs)
         return out[0] if isinstance(out, tuple) else out
+
+    def _layer(self, j: int, hidden: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+        outs = [self._call(j, hidden[part], part, weights) for part in self._rows(hidden)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _graph_pairs(self, j: int, hidden: torch.Tensor, weights: list[torch.Tensor]):
+        """(input leaf, output) of each micro-batch of layer j run with grad."""
+        pairs = []
+        for part in self._rows(hidden):
+            x = hidden[part].detach().requires_grad_()
+            pairs.append((x, self._call(j, x, part, weights)))
+        return pairs
 
     def _acquire(self, j: int) -> Slot:
         ex = self.ctx
@@ -98,6 +116,7 @@ class StackRun:
 
     def forward(self, hidden: torch.Tensor, training: bool) -> torch.Tensor:
         ex, plan = self.ctx, self.ctx.plan
+        self.rows = hidden.shape[0]
         order = list(range(len(self.calls)))
         prefetch = ex.prefetcher(order)
         homes = ex.homes
@@ -109,11 +128,10 @@ class StackRun:
             if training and plan.keep_graph[j]:
                 partial = checkpointed_mlp(ex.layers[j]) if plan.mlp_recompute[j] else contextlib.nullcontext()
                 with torch.enable_grad(), partial:
-                    inputs = x.detach().requires_grad_()
                     leaves = leaves_of(slot.views(ex.units[j]), ex.units[j])
-                    out = self._layer(j, inputs, leaves)
-                self.graphs[j] = _Graph(inputs, out, leaves, slot)
-                x = out.detach()
+                    pairs = self._graph_pairs(j, x, leaves)
+                self.graphs[j] = _Graph(pairs, leaves, slot)
+                x = torch.cat([out.detach() for _, out in pairs]) if len(pairs) > 1 else pairs[0][1].detach()
             else:
                 if training:
                     self.rng[j] = capture_rng(ex.device)
@@ -166,7 +184,7 @@ class StackRun:
                 prefetch(cursor)
                 if below is not None:
                     ex.homes.prefetch(below)
-                grad = self._backprop(s, graph.output, graph.inputs, graph.leaves, grad)
+                grad = self._backprop(s, graph.pairs, graph.leaves, grad)
                 ex.pool.release(graph.slot)
                 continue
             slots = [self._acquire(j) for j in range(s, e)]
@@ -179,13 +197,7 @@ class StackRun:
                 for j in range(s, e - 1):
                     inputs.append(self._rerun(j, inputs[-1], slots[j - s].views(ex.units[j])))
             for j in reversed(range(s, e)):
-                unit = ex.units[j]
-                # only the output's gradient is used: the MLP's output projection is not multiplied out
-                with torch.enable_grad(), self._autocast(), mlp_output_skipped(ex.layers[j]):
-                    x = inputs.pop().detach().requires_grad_()
-                    leaves = leaves_of(slots[j - s].views(unit), unit)
-                    out = self._rerun(j, x, leaves)
-                grad = self._backprop(j, out, x, leaves, grad)
+                grad = self._grad_rerun(j, inputs.pop(), slots[j - s], grad)
                 ex.pool.release(slots[j - s])
                 prefetch(cursor)
         ex.homes.clear()
@@ -193,13 +205,40 @@ class StackRun:
         ex.queues.end_span()
         return grad
 
-    def _backprop(self, j: int, out: torch.Tensor, x: torch.Tensor, leaves: list[torch.Tensor], grad: torch.Tensor):
+    def _grad_rerun(self, j: int, hidden: torch.Tensor, slot: Slot, grad: torch.Tensor) -> torch.Tensor:
+        """Layer j run with grad and back-propagated one micro-batch at a time, so that only one micro-batch's
+        graph is alive; its weight gradients are summed and handed to the sink once."""
+        ex, unit = self.ctx, self.ctx.units[j]
+        leaves = leaves_of(slot.views(unit), unit)
+        restore_rng(self.rng[j], ex.device)
+        summed, grads_in = SummedGrads(), []
+        for part in self._rows(hidden):
+            # only the output's gradient is used: the MLP's output projection is not multiplied out
+            with torch.enable_grad(), self._autocast(), mlp_output_skipped(ex.layers[j]):
+                x = hidden[part].detach().requires_grad_()
+                out = self._call(j, x, part, leaves)
+            grads_in.append(self._grads(out, x, leaves, grad[part], summed))
+        ex.sink.submit(unit, summed.total)
+        return grads_in[0] if len(grads_in) == 1 else torch.cat(grads_in)
+
+    def _backprop(self, j: int, pairs: list[tuple[torch.Tensor, torch.Tensor]], leaves: list[torch.Tensor],
+                  grad: torch.Tensor) -> torch.Tensor:
+        summed, grads_in, start = SummedGrads(), [], 0
+        for x, out in pairs:
+            part = slice(start, start + x.shape[0])
+            grads_in.append(self._grads(out, x, leaves, grad[part], summed))
+            start = part.stop
+        self.ctx.sink.submit(self.ctx.units[j], summed.total)
+        return grads_in[0] if len(grads_in) == 1 else torch.cat(grads_in)
+
+    def _grads(self, out: torch.Tensor, x: torch.Tensor, leaves: list[torch.Tensor], grad: torch.Tensor,
+               summed: SummedGrads) -> torch.Tensor:
+        """Back-propagate one micro-batch: its weight gradients go into ``summed``, its input gradient is returned."""
         trainable = [leaf for leaf in leaves if leaf.requires_grad]
         with self.ctx.queues.busy():
             grads = torch.autograd.grad(out, [x, *trainable], grad, allow_unused=True)
         it = iter(grads[1:])
-        weight_grads = [next(it) if leaf.requires_grad else None for leaf in leaves]
-        self.ctx.sink.submit(self.ctx.units[j], weight_grads)
+        summed.add([next(it) if leaf.requires_grad else None for leaf in leaves])
         return grads[0] if grads[0] is not None else torch.zeros_like(x)
 
 

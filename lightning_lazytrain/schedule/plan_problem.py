@@ -9,9 +9,12 @@ block's working set out of the total (`milp_memory.py`); the GPU activation budg
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .build import build_problem
+from .layer_memory import micro_batch_working_bytes
 from .problem import ScheduleProblem
 from .profile import Profile
 
@@ -51,10 +54,16 @@ def plan_problem(
     head_grad_bytes: int,
     max_recompute_span: int,
     keep_graph_layers: int,
+    micro_batches: int = 1,
 ) -> ScheduleProblem:
     """The problem for ``profile`` under the activation budgets and the device's ``total_bytes`` (``None``: no
-    device memory limits the plan, the CPU run); the last ``keep_graph_layers`` layers must keep their graph."""
+    device memory limits the plan, the CPU run); the last ``keep_graph_layers`` layers must keep their graph;
+    layers run in ``micro_batches`` row slices (their working set as `micro_batch_working_bytes`, their times and
+    every other byte count as profiled for the whole batch)."""
     n = profile.num_layers
+    if micro_batches > 1 and profile.working_bytes:
+        profile = dataclasses.replace(profile, working_bytes=[
+            micro_batch_working_bytes(w, b, micro_batches) for w, b in zip(profile.working_bytes, profile.param_bytes)])
     if keep_graph_layers > n:
         raise ValueError(f"keep_graph_layers={keep_graph_layers} is more than the model's {n} layers")
     gpu = gpu_budget_bytes if total_bytes is None else min(gpu_budget_bytes, total_bytes)
