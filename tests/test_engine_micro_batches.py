@@ -122,3 +122,39 @@ def test_plan_and_settings_carry_micro_batches(tmp_path):
     with pytest.raises(ValueError, match="set its 'micro_batches' there"):
         initial_plan(PlanSettings(schedule=str(path), layer_micro_batches=2), 4)
     assert initial_plan(PlanSettings(schedule="interval:2", layer_micro_batches=3), 4).micro_batches == 3
+
+
+def test_the_milp_plans_the_micro_batch_working_set():
+    """A layer whose working set (8 GiB, 1 GiB of it weight gradients) cannot fit 6 GiB fits in two micro-batches:
+    3.5 GiB of per-token bytes and two sets of weight gradients."""
+    from lightning_lazytrain.schedule import InfeasibleScheduleError, Profile, solve
+    from lightning_lazytrain.schedule.plan_problem import plan_problem
+    from lightning_lazytrain.units import GIB
+
+    n = 3
+    profile = Profile(forward_seconds=[0.01] * n, activation_bytes=[1 << 20] * (n + 1), param_bytes=[GIB] * n,
+                      head_seconds=0.01, h2d_bytes_per_s=50e9, d2h_bytes_per_s=50e9, duplex_bytes_per_s=100e9,
+                      nvme_read_bytes_per_s=1e9, nvme_write_bytes_per_s=1e9, device_name="x",
+                      sources=dict.fromkeys(("forward_seconds", "head_seconds", "h2d", "d2h", "duplex", "nvme_read",
+                                             "nvme_write"), "analytic"),
+                      graph_bytes=[GIB] * n, working_bytes=[8 * GIB] * n, dtype="bfloat16")
+
+    def problem(micro_batches: int):
+        return plan_problem(profile, 6 * GIB, GIB, 0, total_bytes=6 * GIB, slot_bytes=GIB // 10, prefetch_depth=1,
+                            loss_chunk_bytes=1 << 20, head_grad_bytes=0, max_recompute_span=2, keep_graph_layers=0,
+                            micro_batches=micro_batches)
+
+    with pytest.raises(InfeasibleScheduleError, match="working set"):
+        solve(problem(1))
+    assert problem(2).working_bytes == [7 * GIB // 2 + 2 * GIB] * n
+    assert problem(4).working_bytes == [7 * GIB // 4 + 2 * GIB] * n
+    assert solve(problem(2)).num_layers == n
+
+
+def test_an_milp_run_in_micro_batches_trains_like_plain():
+    model, data = tiny_model("qwen3"), batches(2, batch=4, padded=True)
+    ref, _ = train(model, data, max_steps=2)
+    strategy = LazyTrainStrategy(schedule="milp", layer_micro_batches=2)
+    lt, _ = train(model, data, max_steps=2, strategy=strategy)
+    assert strategy.schedule_result.micro_batches == 2
+    assert rel_diff(lt.model, ref.model) <= 5e-6
