@@ -61,9 +61,9 @@ def test_the_forecast_builds_the_problem_solve_plan_builds(monkeypatch):
     executor = StreamingExecutor(adapter, torch.device("cpu"), torch.float32, torch.bfloat16, Schedule.every(4, 1))
     try:
         settings = planner.PlanSettings("milp", keep_graph_layers=1, gpu_activation_gib=0.5, cpu_activation_gib=2.0,
-                                        max_recompute_span=3)
+                                        max_recompute_span=3, layer_micro_batches=2)
         run = RunSpec(adapter, 16, schedule="milp", keep_graph_layers=1, gpu_activation_gib=0.5,
-                      cpu_activation_gib=2.0, max_recompute_span=3)
+                      cpu_activation_gib=2.0, max_recompute_span=3, layer_micro_batches=2)
         machine = Machine(replace(H200, memory_bytes=3 * GIB), 120 * GIB)
         # the device copy of embeddings, head and final norm the executor holds before the planner measures
         resident = 2 * (2 * VOCAB * 64 + 64)
@@ -82,6 +82,7 @@ def test_the_forecast_builds_the_problem_solve_plan_builds(monkeypatch):
     head_grad_sum = 4 * model.config.vocab_size * model.config.hidden_size  # fp32, from the head's forward on
     assert strategy.head_working_bytes == HEAD + 2 * 2 * 16 * 64 * 2 + head_grad_sum and strategy.fixed_slots == 2
     assert strategy.graph_bytes == profile.graph_bytes and strategy.mlp_seconds == profile.mlp_seconds
+    assert strategy.working_bytes != profile.working_bytes  # two layer micro-batches
 
 
 def test_analytic_profile_has_the_estimates_profile_model_uses_off_cuda(tmp_path):

@@ -64,6 +64,7 @@ class RunSpec:
     nvme_activation_gib: float | None = None
     spill_dir: str | None = None
     max_recompute_span: int = 4
+    layer_micro_batches: int = 1
     solver_time_limit: float = 10.0
     solver_mip_gap: float = 0.01
     checkpoints_kept: int = 0  # full-state checkpoints the run keeps on disk (Lightning's default callback: 1)
@@ -180,6 +181,7 @@ def problem_for(run: RunSpec, machine: Machine, profile: Profile) -> SchedulePro
         head_grad_bytes=head_grad_sum_bytes(run.adapter.lm_head),
         max_recompute_span=run.max_recompute_span,
         keep_graph_layers=run.keep_graph_layers,
+        micro_batches=run.layer_micro_batches,
     )
 
 
@@ -187,12 +189,15 @@ def plan(run: RunSpec, problem: ScheduleProblem) -> Schedule:
     """The MILP's plan for ``problem``, or the interval / JSON plan the run names, charged its re-forwards."""
     kind = run.schedule.strip()
     if kind == "milp":
-        return solve(problem, time_limit=run.solver_time_limit, mip_gap=run.solver_mip_gap)
+        schedule = solve(problem, time_limit=run.solver_time_limit, mip_gap=run.solver_mip_gap)
+        schedule.micro_batches = run.layer_micro_batches
+        return schedule
     if kind.endswith(".json"):
         with open(kind) as f:
             schedule = Schedule.from_json(f.read())
     else:
         schedule = Schedule.every(problem.num_layers, int(kind.split(":")[1]), run.keep_graph_layers)
+        schedule.micro_batches = run.layer_micro_batches
     schedule.predicted_exposed_seconds = sum(problem.recompute_seconds(s, e) for s, e in schedule.blocks())
     return schedule
 
