@@ -147,6 +147,7 @@ def gpu_out_of_memory(exc: BaseException, available: int | None, batch_shape: tu
         ["a smaller batch with accumulate_grad_batches to keep the global batch",
          "a smaller gpu_activation_gib, so that schedule='milp' sends more boundaries to 'cpu' or 'recompute'",
          "fewer keep_graph_layers",
+         "a larger layer_micro_batches (each layer runs the batch in that many row slices; same gradients)",
          "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True when the step fails close to the limit (fragmentation)"],
         asked=asked, available=available)
 
@@ -155,4 +156,5 @@ def plan_summary(plan: Schedule | None) -> str:
     """A ``Schedule`` in a line: how many boundaries live in each home, and how many layers keep their graph."""
     if plan is None:
         return "not set"
-    return f"{plan.counts()}, {plan.graph_layers} layers keep their graph"
+    slices = f", layers in {plan.micro_batches} row slices" if plan.micro_batches > 1 else ""
+    return f"{plan.counts()}, {plan.graph_layers} layers keep their graph{slices}"

@@ -29,4 +29,5 @@ def test_out_of_memory_in_a_step_names_bytes_plan_and_fixes():
     text = str(err)
     assert "GPU memory" in text and "592.0 MiB" in text
     assert "'gpu': " in text and "'recompute': " in text
-    assert "smaller batch" in text and "expandable_segments" in text
+    assert "smaller batch" in text and "expandable_segments" in text and "layer_micro_batches" in text
+    assert "layers in 2 row slices" in text  # the ladder's last plan: batch 2, one row a slice

@@ -80,6 +80,7 @@ def test_ooms_past_the_last_rung_stop_with_todays_message():
     with pytest.raises(GpuMemoryError, match="out of memory inside a training step") as err:
         train(model, batches(2), strategy=strategy)
     assert "a smaller batch with accumulate_grad_batches" in str(err.value)
+    assert "layers in 2 row slices" in str(err.value)  # the plan that ran out last: one row a slice
     # no graphs to drop: rung 1 skipped; batch 2: one micro-batch rung, then a slice is one row
     assert strategy.oom_ladder.taken == ["more recompute", "CPU/NVMe homes", "smaller layer micro-batches"]
 
