@@ -149,6 +149,8 @@ def test_the_milp_plans_the_micro_batch_working_set():
     assert problem(2).working_bytes == [7 * GIB // 2 + 2 * GIB] * n
     assert problem(4).working_bytes == [7 * GIB // 4 + 2 * GIB] * n
     assert solve(problem(2)).num_layers == n
+    profile.batch = 2  # the engine never cuts a batch into more slices than it has rows
+    assert problem(4).working_bytes == problem(2).working_bytes
 
 
 def test_an_milp_run_in_micro_batches_trains_like_plain():

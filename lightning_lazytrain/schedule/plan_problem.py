@@ -61,9 +61,10 @@ def plan_problem(
     layers run in ``micro_batches`` row slices (their working set as `micro_batch_working_bytes`, their times and
     every other byte count as profiled for the whole batch)."""
     n = profile.num_layers
-    if micro_batches > 1 and profile.working_bytes:
+    slices = min(micro_batches, profile.batch) if profile.batch else micro_batches  # the engine's, never empty
+    if slices > 1 and profile.working_bytes:
         profile = dataclasses.replace(profile, working_bytes=[
-            micro_batch_working_bytes(w, b, micro_batches) for w, b in zip(profile.working_bytes, profile.param_bytes)])
+            micro_batch_working_bytes(w, b, slices) for w, b in zip(profile.working_bytes, profile.param_bytes)])
     if keep_graph_layers > n:
         raise ValueError(f"keep_graph_layers={keep_graph_layers} is more than the model's {n} layers")
     gpu = gpu_budget_bytes if total_bytes is None else min(gpu_budget_bytes, total_bytes)
