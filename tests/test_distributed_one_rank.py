@@ -4,6 +4,7 @@ store, sharded updates and checkpoints) through Lightning's launcher, against th
 With one rank the reduce-scatter sums one tensor and every rank owns every element, so the updates are the same
 arithmetic: unclipped, the weights are bitwise equal. Clipped, the norm is summed in another order (per shard on
 the host, then an all-reduce) and the coefficient may differ in its last bit: measured 1.8e-8 relative after 3 steps.
+Whether it does depends on the machine's kernels: on one CI-like machine the third loss differed by 7.7e-8.
 """
 
 from __future__ import annotations
@@ -47,4 +48,5 @@ def test_one_rank_process_group_trains_as_one_process(clip, bound, tmp_path):
     assert sorted(p.name for p in (tmp_path / "ckpt" / "epoch=0-step=3.ckpt").iterdir()) == ["meta.pt", "rank_0.pt"]
     assert rel_diff(one.model, start) > 1e-2, "the runs must have moved the weights"
     assert rel_diff(got, one.model) <= bound
-    assert info["losses"] == one.losses
+    # clipped, a last-bit coefficient moves the later losses by as much: 7.7e-8 relative at step 3 on one machine
+    assert info["losses"] == (pytest.approx(one.losses, rel=1e-6, abs=0) if clip else one.losses)
