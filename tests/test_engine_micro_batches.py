@@ -126,7 +126,7 @@ def test_plan_and_settings_carry_micro_batches(tmp_path):
 
 def test_the_milp_plans_the_micro_batch_working_set():
     """A layer whose working set (8 GiB, 1 GiB of it weight gradients) cannot fit 6 GiB fits in two micro-batches:
-    3.5 GiB of per-token bytes and two sets of weight gradients."""
+    3.5 GiB of per-token bytes, two sets of weight gradients and one boundary (1 MiB)."""
     from lightning_lazytrain.schedule import InfeasibleScheduleError, Profile, solve
     from lightning_lazytrain.schedule.plan_problem import plan_problem
     from lightning_lazytrain.units import GIB
@@ -146,8 +146,8 @@ def test_the_milp_plans_the_micro_batch_working_set():
 
     with pytest.raises(InfeasibleScheduleError, match="working set"):
         solve(problem(1))
-    assert problem(2).working_bytes == [7 * GIB // 2 + 2 * GIB] * n
-    assert problem(4).working_bytes == [7 * GIB // 4 + 2 * GIB] * n
+    assert problem(2).working_bytes == [7 * GIB // 2 + 2 * GIB + (1 << 20)] * n
+    assert problem(4).working_bytes == [7 * GIB // 4 + 2 * GIB + (1 << 20)] * n
     assert solve(problem(2)).num_layers == n
     profile.batch = 2  # the engine never cuts a batch into more slices than it has rows
     assert problem(4).working_bytes == problem(2).working_bytes

@@ -42,7 +42,8 @@ class LayerCall:
 
 @dataclass
 class _Graph:
-    pairs: list[tuple[torch.Tensor, torch.Tensor]]  # (input, output) of each micro-batch
+    inputs: torch.Tensor
+    output: torch.Tensor
     leaves: list[torch.Tensor]
     slot: Slot
 
@@ -97,16 +98,21 @@ class StackRun:
         return out[0] if isinstance(out, tuple) else out
 
     def _layer(self, j: int, hidden: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
-        outs = [self._call(j, hidden[part], part, weights) for part in self._rows(hidden)]
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-    def _graph_pairs(self, j: int, hidden: torch.Tensor, weights: list[torch.Tensor]):
-        """(input leaf, output) of each micro-batch of layer j run with grad."""
-        pairs = []
-        for part in self._rows(hidden):
-            x = hidden[part].detach().requires_grad_()
-            pairs.append((x, self._call(j, x, part, weights)))
-        return pairs
+        """Layer j over the batch, one micro-batch after the other. With grad (a kept graph) autograd joins the
+        slices, and its backward runs them one after the other too (their nodes are created in that order);
+        without, each slice's output is written into the batch's as it comes."""
+        parts = self._rows(hidden)
+        if len(parts) == 1:
+            return self._call(j, hidden, parts[0], weights)
+        if torch.is_grad_enabled():
+            return torch.cat([self._call(j, hidden[part], part, weights) for part in parts])
+        out = None
+        for part in parts:
+            piece = self._call(j, hidden[part], part, weights)
+            if out is None:
+                out = piece.new_empty((hidden.shape[0], *piece.shape[1:]))
+            out[part] = piece
+        return out
 
     def _acquire(self, j: int) -> Slot:
         ex = self.ctx
@@ -128,10 +134,11 @@ class StackRun:
             if training and plan.keep_graph[j]:
                 partial = checkpointed_mlp(ex.layers[j]) if plan.mlp_recompute[j] else contextlib.nullcontext()
                 with torch.enable_grad(), partial:
+                    inputs = x.detach().requires_grad_()
                     leaves = leaves_of(slot.views(ex.units[j]), ex.units[j])
-                    pairs = self._graph_pairs(j, x, leaves)
-                self.graphs[j] = _Graph(pairs, leaves, slot)
-                x = torch.cat([out.detach() for _, out in pairs]) if len(pairs) > 1 else pairs[0][1].detach()
+                    out = self._layer(j, inputs, leaves)
+                self.graphs[j] = _Graph(inputs, out, leaves, slot)
+                x = out.detach()
             else:
                 if training:
                     self.rng[j] = capture_rng(ex.device)
@@ -184,7 +191,7 @@ class StackRun:
                 prefetch(cursor)
                 if below is not None:
                     ex.homes.prefetch(below)
-                grad = self._backprop(s, graph.pairs, graph.leaves, grad)
+                grad = self._backprop(s, graph.output, graph.inputs, graph.leaves, grad)
                 ex.pool.release(graph.slot)
                 continue
             slots = [self._acquire(j) for j in range(s, e)]
@@ -207,33 +214,35 @@ class StackRun:
 
     def _grad_rerun(self, j: int, hidden: torch.Tensor, slot: Slot, grad: torch.Tensor) -> torch.Tensor:
         """Layer j run with grad and back-propagated one micro-batch at a time, so that only one micro-batch's
-        graph is alive; its weight gradients are summed and handed to the sink once."""
+        graph is alive; the weight gradients are summed and handed to the sink once, the input gradients written
+        into the batch's as they come."""
         ex, unit = self.ctx, self.ctx.units[j]
         leaves = leaves_of(slot.views(unit), unit)
         restore_rng(self.rng[j], ex.device)
-        summed, grads_in = SummedGrads(), []
-        for part in self._rows(hidden):
+        parts = self._rows(hidden)
+        summed, grad_in = SummedGrads(), torch.empty_like(hidden) if len(parts) > 1 else None
+        for part in parts:
             # only the output's gradient is used: the MLP's output projection is not multiplied out
             with torch.enable_grad(), self._autocast(), mlp_output_skipped(ex.layers[j]):
-                x = hidden[part].detach().requires_grad_()
+                x = (hidden[part] if grad_in is not None else hidden).detach().requires_grad_()
                 out = self._call(j, x, part, leaves)
-            grads_in.append(self._grads(out, x, leaves, grad[part], summed))
+            piece = self._grads(out, x, leaves, grad[part] if grad_in is not None else grad, summed)
+            if grad_in is None:
+                grad_in = piece
+            else:
+                grad_in[part] = piece
         ex.sink.submit(unit, summed.total)
-        return grads_in[0] if len(grads_in) == 1 else torch.cat(grads_in)
+        return grad_in
 
-    def _backprop(self, j: int, pairs: list[tuple[torch.Tensor, torch.Tensor]], leaves: list[torch.Tensor],
-                  grad: torch.Tensor) -> torch.Tensor:
-        summed, grads_in, start = SummedGrads(), [], 0
-        for x, out in pairs:
-            part = slice(start, start + x.shape[0])
-            grads_in.append(self._grads(out, x, leaves, grad[part], summed))
-            start = part.stop
+    def _backprop(self, j: int, out: torch.Tensor, x: torch.Tensor, leaves: list[torch.Tensor], grad: torch.Tensor):
+        summed = SummedGrads()
+        grad_in = self._grads(out, x, leaves, grad, summed)
         self.ctx.sink.submit(self.ctx.units[j], summed.total)
-        return grads_in[0] if len(grads_in) == 1 else torch.cat(grads_in)
+        return grad_in
 
     def _grads(self, out: torch.Tensor, x: torch.Tensor, leaves: list[torch.Tensor], grad: torch.Tensor,
                summed: SummedGrads) -> torch.Tensor:
-        """Back-propagate one micro-batch: its weight gradients go into ``summed``, its input gradient is returned."""
+        """Back-propagate ``out``: its weight gradients go into ``summed``, its input gradient is returned."""
         trainable = [leaf for leaf in leaves if leaf.requires_grad]
         with self.ctx.queues.busy():
             grads = torch.autograd.grad(out, [x, *trainable], grad, allow_unused=True)

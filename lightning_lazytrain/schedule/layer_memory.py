@@ -126,15 +126,16 @@ def analytic_layer_estimates(adapter: ModelAdapter, tokens: int, itemsize: int, 
     )
 
 
-def micro_batch_working_bytes(working_bytes: int, param_bytes: int, micro_batches: int) -> int:
+def micro_batch_working_bytes(working_bytes: int, param_bytes: int, boundary_bytes: int, micro_batches: int) -> int:
     """A layer's working set when it runs in ``micro_batches`` row slices (`engine/micro_batches.py`): what scales
-    with the tokens (graph of the re-run, intermediates, input gradients) divides, the weight gradients
+    with the tokens (graph of the re-run, intermediates, input gradients) divides; the weight gradients
     (``param_bytes``, in the stream dtype like the slot) do not, and from two slices on their running sum is a
-    second set."""
+    second set; and one whole boundary more, the batch's input gradient (or a kept graph's output) that the
+    slices' are written into."""
     if micro_batches <= 1:
         return working_bytes
     per_token = max(0, working_bytes - param_bytes)
-    return -(-per_token // micro_batches) + 2 * param_bytes
+    return -(-per_token // micro_batches) + 2 * param_bytes + boundary_bytes
 
 
 def output_projection_seconds(adapter: ModelAdapter, tokens: int, flops_per_s: float) -> list[float]:

@@ -64,7 +64,8 @@ def plan_problem(
     slices = min(micro_batches, profile.batch) if profile.batch else micro_batches  # the engine's, never empty
     if slices > 1 and profile.working_bytes:
         profile = dataclasses.replace(profile, working_bytes=[
-            micro_batch_working_bytes(w, b, slices) for w, b in zip(profile.working_bytes, profile.param_bytes)])
+            micro_batch_working_bytes(w, b, a, slices)
+            for w, b, a in zip(profile.working_bytes, profile.param_bytes, profile.activation_bytes)])
     if keep_graph_layers > n:
         raise ValueError(f"keep_graph_layers={keep_graph_layers} is more than the model's {n} layers")
     gpu = gpu_budget_bytes if total_bytes is None else min(gpu_budget_bytes, total_bytes)
