@@ -108,5 +108,6 @@ def memory_shortfall(p: ScheduleProblem) -> str | None:
         f"{p.fixed_slots * p.slot_bytes / GIB:.3f}, the largest layer's working set with its slots and reloads "
         f"{work / GIB:.3f}) "
         f"and the device has {p.gpu_total_bytes / GIB:.3f} GiB for the plan; lower the batch / sequence length, "
-        f"keep fewer graphs (keep_graph_layers) or lower prefetch_depth"
+        f"run each layer in more row slices (layer_micro_batches), keep fewer graphs (keep_graph_layers) or lower "
+        f"prefetch_depth"
     )
