@@ -1,7 +1,8 @@
 """A layer run over its batch in row micro-batches: the same math, a working set that many times smaller.
 
-A decoder layer treats the rows of its batch independently, so running it on row slices and concatenating the
-outputs gives the whole batch's output, and summing the slices' weight gradients gives the whole batch's. The loss
+A decoder layer treats the rows of its batch independently (attention within a row, norms and MLPs per token, MoE
+routers per token with no capacity limit in the supported families), so running it on row slices and
+concatenating the outputs gives the whole batch's output, and summing the slices' weight gradients gives the whole batch's. The loss
 is still computed over the whole batch at the head: unlike ``accumulate_grad_batches``, the user's batch, loss
 normalisation and optimizer step are unchanged. What shrinks is what a layer allocates while it runs (its MLP
 intermediates, attention, and the graph of a layer re-run in the backward); the boundaries between layers stay
