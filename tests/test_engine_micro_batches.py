@@ -41,6 +41,14 @@ def test_a_call_is_sliced_where_its_first_dimension_is_the_batch():
     assert whole[0][0] is mask
 
 
+def test_a_batch_shaped_argument_that_is_no_tensor_is_refused_by_name():
+    class BlockMask:  # flex attention's mask: one entry per row, not a tensor
+        shape = (4, 1, 8, 8)
+
+    with pytest.raises(ValueError, match="cannot slice the decoder layer's BlockMask argument"):
+        split_call((), {"attention_mask": BlockMask()}, 4, slice(0, 2))
+
+
 def test_summed_grads_add_in_place_and_replace_a_broadcast_gradient():
     a, b = torch.ones(3), torch.full((3,), 2.0)
     broadcast = torch.zeros(1).expand(3)

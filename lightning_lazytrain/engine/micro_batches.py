@@ -2,11 +2,11 @@
 
 A decoder layer treats the rows of its batch independently (attention within a row, norms and MLPs per token, MoE
 routers per token with no capacity limit in the supported families), so running it on row slices and
-concatenating the outputs gives the whole batch's output, and summing the slices' weight gradients gives the whole batch's. The loss
-is still computed over the whole batch at the head: unlike ``accumulate_grad_batches``, the user's batch, loss
-normalisation and optimizer step are unchanged. What shrinks is what a layer allocates while it runs (its MLP
-intermediates, attention, and the graph of a layer re-run in the backward); the boundaries between layers stay
-whole-batch.
+concatenating the outputs gives the whole batch's output, and summing the slices' weight gradients gives the whole
+batch's. The loss is still computed over the whole batch at the head: unlike ``accumulate_grad_batches``, the
+user's batch, loss normalisation and optimizer step are unchanged. What shrinks is what a layer allocates while it
+runs (its MLP intermediates, attention, and the graph of a layer re-run in the backward); the boundaries between
+layers stay whole-batch.
 
 The recorded call is sliced along with the hidden state: every tensor in its arguments whose first dimension is
 the batch's rows (attention masks, position ids, rotary tables) is sliced, a first dimension of 1 broadcasts and is
@@ -36,6 +36,11 @@ def _sliced(value: Any, rows: int, part: slice) -> Any:
         return [_sliced(v, rows, part) for v in value]
     if isinstance(value, dict):
         return {k: _sliced(v, rows, part) for k, v in value.items()}
+    shape = getattr(value, "shape", None)
+    if isinstance(shape, (tuple, torch.Size)) and len(shape) >= 2 and shape[0] == rows:
+        raise ValueError(f"layer micro-batches cannot slice the decoder layer's {type(value).__name__} argument "
+                         f"(shape {tuple(shape)}, one entry per row): run with layer_micro_batches=1, or with "
+                         "attn_implementation='sdpa' or 'eager', whose masks are tensors")
     return value
 
 
