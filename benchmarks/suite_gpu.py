@@ -87,6 +87,9 @@ ROWS = [
     Row("resident-ckpt-liger-7b-max", "ceiling", "gpu-resident-ckpt-liger", "qwen2.5-7b", (96, 64, 48, 32, 16), None,
         300, 5, 1),
     Row("lazytrain-7b-24g-b32", "p5", "lazytrain", "qwen2.5-7b", (32,), 24.0, 420, 5, 1),
+    # the 24 GiB cap at three times P5's batch: whole-batch layers, then each layer in four row slices
+    Row("lazytrain-7b-24g-b96", "p5", "lazytrain", "qwen2.5-7b", (96,), 24.0, 420, 4, 1),
+    Row("lazytrain-7b-24g-micro4-b96", "p5", "lazytrain-micro4", "qwen2.5-7b", (96,), 24.0, 480, 4, 1),
 ]
 GROUPS = sorted({r.group for r in ROWS})
 
