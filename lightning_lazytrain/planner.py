@@ -109,7 +109,6 @@ def solve_plan(settings: PlanSettings, executor: StreamingExecutor, batch: int, 
             f"({executor.device_update_held_bytes / GIB:.3f} GiB of masters and states kept or staged there): "
             "device_update_states='staged', a lower device_update_share, or device_update_share=0.0 leaves it to "
             "the plan") from exc
-    schedule.micro_batches = settings.layer_micro_batches
     schedule.profile = profile  # what it was solved for: a re-plan starts from it
     log.info("lazytrain plan: %s, predicted exposed %.3f s", schedule.counts(), schedule.predicted_exposed_seconds)
     return schedule

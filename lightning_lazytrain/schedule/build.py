@@ -41,13 +41,15 @@ def build_problem(profile: Profile, gpu_budget_bytes: int, cpu_budget_bytes: int
                   max_recompute_span: int = 4, backward_factor: float = 2.0, *, reforward: bool = True,
                   duplex: bool = True, grad_bytes_per_param: int | None = None, keep_graphs: bool = True,
                   keep_graph_layers: list[int] | None = None, gpu_total_bytes: int | None = None,
-                  slot_bytes: int = 0, fixed_slots: int = 0, head_working_bytes: int = 0) -> ScheduleProblem:
+                  slot_bytes: int = 0, fixed_slots: int = 0, head_working_bytes: int = 0,
+                  micro_batches: int = 1) -> ScheduleProblem:
     """The placement problem for ``profile`` under the given activation budgets (bytes per home).
 
     ``window_seconds[w] = (1 + backward_factor) * forward_seconds[w] + reforward * rerun_seconds[w]`` (the re-run
     without the MLP's output projection; ``forward_seconds`` where not profiled); ``param_h2d_bytes[w] =
     (1 + reforward) * param_bytes[w]``; ``grad_d2h_bytes[w] = param_bytes[w]`` (or
     ``* grad_bytes_per_param / itemsize``); ``head_seconds`` as profiled; bandwidths: see the module docstring.
+    ``micro_batches``: the layer micro-batches ``profile.working_bytes`` was counted for (`plan_problem`).
     """
     if backward_factor < 0:
         raise ValueError(f"backward_factor must be >= 0, got {backward_factor}")
@@ -82,4 +84,5 @@ def build_problem(profile: Profile, gpu_budget_bytes: int, cpu_budget_bytes: int
         fixed_slots=int(fixed_slots),
         gpu_total_bytes=gpu_total_bytes,
         keep_graph_layers=list(keep_graph_layers or []),
+        micro_batches=int(micro_batches),
     )

@@ -189,15 +189,13 @@ def plan(run: RunSpec, problem: ScheduleProblem) -> Schedule:
     """The MILP's plan for ``problem``, or the interval / JSON plan the run names, charged its re-forwards."""
     kind = run.schedule.strip()
     if kind == "milp":
-        schedule = solve(problem, time_limit=run.solver_time_limit, mip_gap=run.solver_mip_gap)
-        schedule.micro_batches = run.layer_micro_batches
-        return schedule
+        return solve(problem, time_limit=run.solver_time_limit, mip_gap=run.solver_mip_gap)
     if kind.endswith(".json"):
         with open(kind) as f:
             schedule = Schedule.from_json(f.read())
     else:
         schedule = Schedule.every(problem.num_layers, int(kind.split(":")[1]), run.keep_graph_layers)
-        schedule.micro_batches = run.layer_micro_batches
+        schedule.micro_batches = problem.micro_batches
     schedule.predicted_exposed_seconds = sum(problem.recompute_seconds(s, e) for s, e in schedule.blocks())
     return schedule
 

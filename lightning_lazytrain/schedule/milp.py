@@ -216,7 +216,8 @@ def _extract(p: ScheduleProblem, m: pyo.ConcreteModel, res, status: str, t_build
         raise RuntimeError(f"solver plan needs {gpu_bytes} B of GPU memory over the {p.gpu_total_bytes} B the "
                            f"device has for it (round-off); lower gpu_total_bytes by a few KiB")
     sched = Schedule(tiers=tiers, objective=obj, status=status, keep_graph=keep_graph,
-                     max_recompute_span=p.max_recompute_span, mlp_recompute=mlp_recompute)
+                     max_recompute_span=p.max_recompute_span, mlp_recompute=mlp_recompute,
+                     micro_batches=p.micro_batches)
     recompute = sum(p.recompute_seconds(s, e) for s, e in sched.blocks())
     slack = _val(m.slack)
     sched.predicted_exposed_seconds = recompute + slack

@@ -80,4 +80,5 @@ def plan_problem(
         slot_bytes=slot_bytes,
         fixed_slots=max(1, prefetch_depth),
         head_working_bytes=head_working_bytes(loss_chunk_bytes, profile.activation_bytes[-1], head_grad_bytes),
+        micro_batches=slices,
     )

@@ -72,6 +72,8 @@ class ScheduleProblem:
         gpu_total_bytes: the device memory the whole plan may use (saved boundaries, kept graphs, slots, the largest
             block's rebuilt boundaries and working set); ``None``: only ``gpu_budget_bytes`` is checked.
         keep_graph_layers: layers that must keep their graph (the user's ``keep_graph_layers``).
+        micro_batches: the row slices each layer runs in, which ``working_bytes`` counts (`plan_problem`); the
+            solved plan runs them (``Schedule.micro_batches``).
     """
 
     activation_bytes: list[int]
@@ -101,6 +103,7 @@ class ScheduleProblem:
     gpu_total_bytes: int | None = None
     keep_graph_layers: list[int] = field(default_factory=list)
     rerun_seconds: list[float] | None = None
+    micro_batches: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.activation_bytes, (list, tuple)) or len(self.activation_bytes) < 2:
@@ -130,6 +133,7 @@ class ScheduleProblem:
             self.mlp_seconds = [float(v) for v in self.mlp_seconds]
         for name in ("head_working_bytes", "slot_bytes", "fixed_slots"):
             _check_scalar(name, getattr(self, name), positive=False)
+        _check_scalar("micro_batches", self.micro_batches, positive=True)
         if self.gpu_total_bytes is not None:
             _check_scalar("gpu_total_bytes", self.gpu_total_bytes, positive=False)
         bad = [j for j in self.keep_graph_layers if not (isinstance(j, int) and 0 <= j < n)]
