@@ -68,7 +68,7 @@ class LazyTrainStrategy(CheckpointingStrategy):
             space); the MILP also fits its slots, kept graphs and working sets into that device memory.
         spill_dir: directory for NVMe activation homes (files are removed at teardown and after a crash).
         layer_micro_batches: each layer runs the batch in this many row slices and sums their weight gradients:
-            the same loss and gradients, a per-layer working set about that many times smaller (the MILP plans it).
+            the same loss, gradients equal up to rounding, a per-layer working set about that many times smaller.
         checkpoint_io: default ``AtomicCheckpointIO`` (atomic saves, verified loads; see docs/reliability.md).
         solver_time_limit / solver_mip_gap: HiGHS limits for the MILP.
         generation: how ``generate`` runs at evaluation: ``"auto"`` loads every layer onto the device once per
