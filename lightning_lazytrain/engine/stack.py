@@ -220,14 +220,16 @@ class StackRun:
         leaves = leaves_of(slot.views(unit), unit)
         restore_rng(self.rng[j], ex.device)
         parts = self._rows(hidden)
-        summed, grad_in = SummedGrads(), torch.empty_like(hidden) if len(parts) > 1 else None
+        summed = SummedGrads()
+        grad_in = torch.empty_like(hidden) if len(parts) > 1 else None
         for part in parts:
             # only the output's gradient is used: the MLP's output projection is not multiplied out
             with torch.enable_grad(), self._autocast(), mlp_output_skipped(ex.layers[j]):
-                x = (hidden[part] if grad_in is not None else hidden).detach().requires_grad_()
+                x = hidden[part].detach().requires_grad_()
                 out = self._call(j, x, part, leaves)
-            piece = self._grads(out, x, leaves, grad[part] if grad_in is not None else grad, summed)
-            if grad_in is None:
+            piece, weight_grads = self._grads(out, x, leaves, grad[part])
+            summed.add(weight_grads)
+            if grad_in is None:  # one slice: its input gradient is the batch's
                 grad_in = piece
             else:
                 grad_in[part] = piece
@@ -235,20 +237,19 @@ class StackRun:
         return grad_in
 
     def _backprop(self, j: int, out: torch.Tensor, x: torch.Tensor, leaves: list[torch.Tensor], grad: torch.Tensor):
-        summed = SummedGrads()
-        grad_in = self._grads(out, x, leaves, grad, summed)
-        self.ctx.sink.submit(self.ctx.units[j], summed.total)
+        grad_in, weight_grads = self._grads(out, x, leaves, grad)
+        self.ctx.sink.submit(self.ctx.units[j], weight_grads)
         return grad_in
 
-    def _grads(self, out: torch.Tensor, x: torch.Tensor, leaves: list[torch.Tensor], grad: torch.Tensor,
-               summed: SummedGrads) -> torch.Tensor:
-        """Back-propagate ``out``: its weight gradients go into ``summed``, its input gradient is returned."""
+    def _grads(self, out: torch.Tensor, x: torch.Tensor, leaves: list[torch.Tensor],
+               grad: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """Back-propagate ``out``: its input gradient, and one weight gradient per leaf (None where frozen)."""
         trainable = [leaf for leaf in leaves if leaf.requires_grad]
         with self.ctx.queues.busy():
             grads = torch.autograd.grad(out, [x, *trainable], grad, allow_unused=True)
         it = iter(grads[1:])
-        summed.add([next(it) if leaf.requires_grad else None for leaf in leaves])
-        return grads[0] if grads[0] is not None else torch.zeros_like(x)
+        weight_grads = [next(it) if leaf.requires_grad else None for leaf in leaves]
+        return (grads[0] if grads[0] is not None else torch.zeros_like(x)), weight_grads
 
 
 class StreamedStack(torch.autograd.Function):
