@@ -13,6 +13,9 @@ Rungs, in order, each logged; a rung that would not change the plan is skipped:
    no change to the training loop; what it cannot shrink is the whole-batch boundaries and the head's chunk.
 
 When no rung is left, or after the first ``steps`` optimizer steps, the error is today's ``GpuMemoryError``.
+
+What the ladder changed goes into checkpoints (:meth:`OomLadder.state_dict`): a run resumed past the first steps
+has no ladder left, so it must start on the plan and settings that fit, not on the ones that ran out of memory.
 """
 
 from __future__ import annotations
@@ -20,11 +23,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from lightning_lazytrain.engine import Schedule, StreamingExecutor
 
 log = logging.getLogger(__name__)
 RUNGS = ("smaller GPU budget", "more recompute", "CPU/NVMe homes", "smaller layer micro-batches")
+#: the plan settings a rung may change (``schedule`` only identifies the run they belong to)
+_LOWERED = ("schedule", "gpu_activation_gib", "layer_micro_batches")
 
 
 def _rung_plan(plan: Schedule, tiers: list[str], keep_graph: list[bool], rung: str,
@@ -71,6 +77,10 @@ class OomLadder:
     steps: int = 3
     rung: int = 0
     taken: list[str] = dataclasses.field(default_factory=list)
+    #: after a rung: the plan it gave, and the plan settings then (schedule, GPU budget, micro-batches)
+    plan: Schedule | None = None
+    settings_after: dict[str, Any] = dataclasses.field(default_factory=dict)
+    _pending: dict[str, Any] | None = None
 
     def applies(self, step: int, accumulate_grad_batches: int) -> bool:
         """Whether an OOM at ``step`` may be re-planned: the first ``steps`` steps, no accumulation (a half-done
@@ -87,7 +97,43 @@ class OomLadder:
         plan = self.next_plan(executor.plan, settings.spill_dir, resolve, failure, executor.batch_rows)
         if plan is not None:
             settings.layer_micro_batches = plan.micro_batches
+            self.plan = plan
+            self.settings_after = {name: getattr(settings, name) for name in _LOWERED}
         return plan
+
+    def state_dict(self) -> dict[str, Any] | None:
+        if self.plan is None:
+            return None
+        return {"rung": self.rung, "taken": list(self.taken), "plan": self.plan.to_json(),
+                "settings": dict(self.settings_after)}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Kept until :meth:`restore` at the first resumed batch (the executor does not exist at load time)."""
+        self._pending = state
+
+    def forget_pending(self) -> None:
+        self._pending = None
+
+    def restore(self, executor: StreamingExecutor, settings, num_slots: int | None) -> None:
+        """Put a resumed run back where the saving run's ladder left it: the settings it lowered (so re-plans keep
+        them) and, for a plan that is not the MILP's (whose solved plan the checkpoint carries already), the rung's
+        plan. Skipped, with a log line, when the user changed the schedule since."""
+        state, self._pending = self._pending, None
+        if state is None:
+            return
+        saved = state["settings"]
+        plan = Schedule.from_json(state["plan"])
+        if saved["schedule"] != settings.schedule or plan.num_layers != executor.plan.num_layers:
+            log.warning("lazytrain: the checkpoint's OOM fallback plan (for schedule=%r) is not restored: this run "
+                        "has schedule=%r", saved["schedule"], settings.schedule)
+            return
+        for name in _LOWERED:
+            setattr(settings, name, saved[name])
+        self.rung, self.taken, self.plan, self.settings_after = state["rung"], list(state["taken"]), plan, saved
+        if settings.kind() != "milp":
+            executor.set_plan(plan, num_slots)
+        log.info("lazytrain: resumed on the plan the OOM fallback ladder chose (%s): %s, %d layer micro-batches",
+                 ", ".join(self.taken), plan.counts(), plan.micro_batches)
 
     def next_plan(
         self, plan: Schedule, spill_dir: str | None, resolve: Callable[[float], Schedule | None] | None,

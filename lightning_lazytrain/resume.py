@@ -6,6 +6,8 @@ data position. The strategy adds, under ``checkpoint["lazytrain"]``:
 * the skipped-step counters (``skipped_steps`` and the non-finite guard's streak), so an abort after three bad steps
   in a row counts across a resume;
 * the solved MILP plan and the batch shape it was solved for, so a resume runs the same plan without re-solving;
+* what the OOM fallback ladder changed (its plan and the settings it lowered), so a run resumed past the steps the
+  ladder acts in does not start again on the plan that ran out of memory;
 * the global random streams (torch CPU and CUDA, Python ``random``, NumPy), restored at the first resumed batch:
   that is the same point in the step where the saving run wrote them, whatever setup consumed in between.
 """
@@ -22,6 +24,7 @@ import numpy as np
 import torch
 
 from lightning_lazytrain.checkpoint.atomic import CorruptCheckpointError, find_last_good
+from lightning_lazytrain.oom_ladder import OomLadder
 from lightning_lazytrain.optim import NonFiniteGuard
 from lightning_lazytrain.schedule import Schedule
 
@@ -71,12 +74,14 @@ def set_rng_states(states: dict[str, Any]) -> None:
 class ResumeState:
     """The run state that a checkpoint carries beyond Lightning's: written by :meth:`dump`, read by :meth:`load`.
 
-    It owns what it saves: the skipped-step count, the non-finite guard and the solved plan with its batch shape.
+    It owns what it saves: the skipped-step count, the non-finite guard, the OOM ladder and the solved plan with
+    its batch shape.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, oom_ladder: OomLadder) -> None:
         self.skipped_steps = 0
         self.nonfinite_guard = NonFiniteGuard()
+        self.oom_ladder = oom_ladder
         self.schedule_result: Schedule | None = None
         self.plan_shape: tuple[int, int] | None = None
         self._pending_rng: dict[str, Any] | None = None
@@ -90,6 +95,9 @@ class ResumeState:
         }
         if self.schedule_result is not None and self.plan_shape is not None:
             state["plan"] = {"shape": list(self.plan_shape), "schedule": self.schedule_result.to_json()}
+        ladder = self.oom_ladder.state_dict()
+        if ladder is not None:
+            state["oom_ladder"] = ladder
         return state
 
     def load(self, state: dict[str, Any] | None) -> None:
@@ -101,6 +109,7 @@ class ResumeState:
         self._pending_rng = state["rng"]
         plan = state.get("plan")
         self._saved_plan = (tuple(plan["shape"]), plan["schedule"]) if plan else None
+        self.oom_ladder.load_state_dict(state.get("oom_ladder"))
 
     def before_batch(self) -> None:
         if self._pending_rng is not None:
@@ -109,8 +118,9 @@ class ResumeState:
 
     def end_run(self) -> None:
         """Forget what a load left for the first batch (a validate(ckpt_path=...) has none; a later fit must not
-        inherit its random streams)."""
+        inherit its random streams, or its OOM ladder)."""
         self._pending_rng = None
+        self.oom_ladder.forget_pending()
 
     def saved_plan(self, shape: tuple[int, int]) -> Schedule | None:
         """The plan the checkpoint holds, when it was solved for this batch shape (else the MILP is solved anew)."""

@@ -141,9 +141,9 @@ class LazyTrainStrategy(CheckpointingStrategy):
                                           nvme_activation_gib, spill_dir, max_recompute_span, solver_time_limit,
                                           solver_mip_gap, layer_micro_batches)
         prefer_expandable_segments()  # before Lightning starts CUDA
-        self.resume = ResumeState()
-        self.admission_report: AdmissionReport | None = None
         self.oom_ladder = OomLadder(steps=oom_fallback_steps)
+        self.resume = ResumeState(self.oom_ladder)
+        self.admission_report: AdmissionReport | None = None
         self.link_drift = LinkDrift(every=replan_every_n_steps)
         self.milp_plan = MilpPlan(self.plan_settings, self.resume, self.link_drift, num_slots)
 
@@ -228,6 +228,8 @@ class LazyTrainStrategy(CheckpointingStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.on_validation_end()
         self.resume.before_batch()
+        if self.executor is not None:
+            self.oom_ladder.restore(self.executor, self.plan_settings, self.num_slots)
         if self.plan_settings.kind() == "milp" and self.executor is not None:
             trainer = self.lightning_module.trainer
             self.milp_plan.before_batch(batch, self.executor, trainer.global_step,

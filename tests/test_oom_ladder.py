@@ -1,7 +1,9 @@
 """The out-of-memory fallback ladder: an OOM injected in the first steps (torch.OutOfMemoryError raised from a
 forward hook inside a decoder layer) walks the rungs in order, and training continues with a plain run's numbers."""
 
+import copy
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -144,3 +146,58 @@ def test_the_device_total_after_a_discarded_step_counts_no_slot_pool(monkeypatch
     assert planner.gpu_total_bytes(executor) == plan_total_bytes(10_000 + 3 * 200 - 500)
     executor.pool = None
     assert planner.gpu_total_bytes(executor) == plan_total_bytes(10_000 - 500)
+
+
+def _whole_batch_fails(model) -> None:
+    """Layer 1's MLP runs out of memory on any call of more than one row: only one-row slices fit."""
+    def hook(module, args):
+        if args[0].shape[0] > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    model.model.layers[1].mlp.register_forward_pre_hook(hook)
+
+
+@pytest.mark.parametrize("schedule", ["interval:1", "milp"])
+def test_a_run_resumed_past_the_ladders_steps_starts_on_the_plan_that_fit(tmp_path, schedule):
+    """Saved at step 2 after the ladder reached one-row slices, resumed where the ladder no longer acts: the
+    resumed run must start on those slices (on the whole batch it stops with an OOM), and ends like plain."""
+    import lightning.pytorch as pl
+    from helpers import LMModule, loader
+
+    data = batches(1) * 4  # one batch repeated: a resumed loader starting over sees the same data
+    ref, _ = train(tiny_model("qwen2"), data, max_steps=4)
+    model = tiny_model("qwen2")
+    _whole_batch_fails(model)
+
+    def fit(max_steps, ckpt_path=None):
+        strategy = LazyTrainStrategy(schedule=schedule, oom_fallback_steps=1)
+        module = LMModule(copy.deepcopy(model))
+        trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=max_steps, logger=False,
+                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+        trainer.fit(module, train_dataloaders=loader(data), ckpt_path=ckpt_path)
+        return module, trainer, strategy
+
+    _, trainer, first = fit(2)
+    assert first.oom_ladder.taken[-1] == "smaller layer micro-batches" and first.plan_settings.layer_micro_batches == 2
+    trainer.save_checkpoint(tmp_path / "step2.ckpt")
+    resumed, trainer, strategy = fit(4, str(tmp_path / "step2.ckpt"))
+    assert trainer.global_step == 4 and strategy.plan_settings.layer_micro_batches == 2
+    assert strategy.oom_ladder.taken == first.oom_ladder.taken
+    assert rel_diff(resumed.model, ref.model) <= 1e-6
+
+
+def test_a_changed_schedule_is_not_overridden_by_the_saved_ladder(tmp_path, caplog):
+    from lightning_lazytrain.engine import Schedule
+    from lightning_lazytrain.oom_ladder import OomLadder
+    from lightning_lazytrain.planner import PlanSettings
+
+    saving = OomLadder(rung=4, taken=[RUNGS[3]], plan=Schedule.every(2, 1, 0),
+                       settings_after={"schedule": "interval:1", "gpu_activation_gib": None, "layer_micro_batches": 2})
+    saving.plan.micro_batches = 2
+    loading, settings = OomLadder(), PlanSettings("interval:2")
+    executor = SimpleNamespace(plan=Schedule.every(2, 2, 0))
+    loading.load_state_dict(saving.state_dict())
+    with caplog.at_level(logging.WARNING, logger="lightning_lazytrain.oom_ladder"):
+        loading.restore(executor, settings, None)
+    assert settings.layer_micro_batches == 1 and loading.taken == [] and executor.plan.micro_batches == 1
+    assert "this run has schedule='interval:2'" in caplog.text
