@@ -18,7 +18,7 @@ SYSTEMS = ("gpu-resident", "gpu-resident-ckpt", "gpu-resident-liger", "gpu-resid
            "lazytrain-hf-kernels", "lazytrain-one-rank-nccl", "lazytrain-gpu-updates",
            "lazytrain-gpu-updates-plan", "lazytrain-gpu-updates-plan-staged", "lazytrain-gpu-updates-all",
            "lazytrain-interval4",
-           "lazytrain-interval4-overlap", "lazytrain-micro4",
+           "lazytrain-interval4-overlap", "lazytrain-micro4", "lazytrain-whole-batch",
            "fsdp-cpu-offload", "fsdp-cpu-offload-fused", "deepspeed-z3-offload", "deepspeed-z3-offload-fair")
 
 
@@ -39,6 +39,8 @@ OVERLAPPED = {
     "lazytrain-interval4-overlap": ({"schedule": "interval:4"}, ""),
     # issue 16's last OOM rung taken up front: each layer in four row slices, a quarter of its working set
     "lazytrain-micro4": ({"layer_micro_batches": 4}, ", each layer in 4 row slices"),
+    # "lazytrain" lets the MILP choose the slices; this one runs every layer on the whole batch
+    "lazytrain-whole-batch": ({"layer_micro_batches": 1}, ", each layer on the whole batch"),
 }
 
 

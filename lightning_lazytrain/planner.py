@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 from dataclasses import dataclass
+from typing import Literal
 
 import psutil
 
@@ -34,13 +35,14 @@ class PlanSettings:
     max_recompute_span: int = 4
     solver_time_limit: float = 10.0
     solver_mip_gap: float = 0.01
-    layer_micro_batches: int = 1
+    layer_micro_batches: int | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         self.kind()  # a schedule string that is not understood fails when the strategy is made
-        if not isinstance(self.layer_micro_batches, int) or self.layer_micro_batches < 1:
-            raise ValueError(f"layer_micro_batches={self.layer_micro_batches!r}: use an integer >= 1 (each layer runs "
-                             "the batch in that many row slices)")
+        k = self.layer_micro_batches
+        if k != "auto" and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+            raise ValueError(f"layer_micro_batches={k!r}: use an integer >= 1 (each layer runs the batch in that "
+                             "many row slices) or 'auto' (the MILP takes the fewest with which a plan fits)")
 
     def kind(self) -> str:
         if re.fullmatch(r"interval:\d+", self.schedule.strip()):
@@ -63,14 +65,14 @@ def initial_plan(settings: PlanSettings, num_layers: int) -> Schedule:
         if k < 1:
             raise ValueError(f"schedule={settings.schedule!r}: the interval must be >= 1")
         plan = Schedule.every(num_layers, k, settings.keep_graph_layers)
-        plan.micro_batches = settings.layer_micro_batches
+        plan.micro_batches = 1 if settings.layer_micro_batches == "auto" else settings.layer_micro_batches
         return plan
     if kind == "json":
         if settings.keep_graph_layers:
             raise ValueError(f"keep_graph_layers={settings.keep_graph_layers} does not apply to the plan file "
                              f"{settings.schedule}: its 'keep_graph' list says which layers keep their graph; set it "
                              "there, or drop keep_graph_layers")
-        if settings.layer_micro_batches != 1:
+        if settings.layer_micro_batches not in (1, "auto"):
             raise ValueError(f"layer_micro_batches={settings.layer_micro_batches} does not apply to the plan file "
                              f"{settings.schedule}: set its 'micro_batches' there, or drop layer_micro_batches")
         with open(settings.schedule) as f:

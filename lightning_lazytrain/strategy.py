@@ -68,7 +68,8 @@ class LazyTrainStrategy(CheckpointingStrategy):
             space); the MILP also fits its slots, kept graphs and working sets into that device memory.
         spill_dir: directory for NVMe activation homes (files are removed at teardown and after a crash).
         layer_micro_batches: each layer runs the batch in this many row slices and sums their weight gradients:
-            the same loss, gradients equal up to rounding, a per-layer working set about that many times smaller.
+            the same loss, gradients equal up to rounding, a per-layer working set about that many times smaller;
+            ``"auto"``: the MILP takes the fewest (1, 2, 4, ...) with which a plan fits the device, other plans 1.
         checkpoint_io: default ``AtomicCheckpointIO`` (atomic saves, verified loads; see docs/reliability.md).
         solver_time_limit / solver_mip_gap: HiGHS limits for the MILP.
         generation: how ``generate`` runs at evaluation: ``"auto"`` loads every layer onto the device once per
@@ -111,7 +112,7 @@ class LazyTrainStrategy(CheckpointingStrategy):
         nvme_activation_gib: float | None = None,
         spill_dir: str | None = None,
         max_recompute_span: int = 4,
-        layer_micro_batches: int = 1,
+        layer_micro_batches: int | Literal["auto"] = "auto",
         solver_time_limit: float = 10.0,
         solver_mip_gap: float = 0.01,
         generation: GenerationMode = "auto",

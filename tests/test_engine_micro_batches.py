@@ -115,17 +115,20 @@ def test_dropout_masks_are_replayed_per_micro_batch():
 
 
 def test_plan_and_settings_carry_micro_batches(tmp_path):
+    from lightning_lazytrain.planner import initial_plan
+
     plan = Schedule.every(4, 2)
     assert plan.micro_batches == 1
     again = Schedule.from_json(Schedule(plan.tiers, micro_batches=4).to_json())
     assert again.micro_batches == 4 and not again.same_placement(plan)
     with pytest.raises(ValueError, match="micro_batches must be an integer >= 1"):
         Schedule(plan.tiers, micro_batches=0)
-    with pytest.raises(ValueError, match="layer_micro_batches=0"):
-        PlanSettings(layer_micro_batches=0)
+    for wrong in (0, "fewest", True):
+        with pytest.raises(ValueError, match=f"layer_micro_batches={wrong!r}.*or 'auto'"):
+            PlanSettings(layer_micro_batches=wrong)
+    assert initial_plan(PlanSettings(schedule="interval:2"), 4).micro_batches == 1  # "auto": the MILP's choice
     path = tmp_path / "plan.json"
     path.write_text(plan.to_json())
-    from lightning_lazytrain.planner import initial_plan
 
     with pytest.raises(ValueError, match="set its 'micro_batches' there"):
         initial_plan(PlanSettings(schedule=str(path), layer_micro_batches=2), 4)
@@ -145,10 +148,10 @@ def test_the_milp_plans_the_micro_batch_working_set():
                       nvme_read_bytes_per_s=1e9, nvme_write_bytes_per_s=1e9, device_name="x",
                       sources=dict.fromkeys(("forward_seconds", "head_seconds", "h2d", "d2h", "duplex", "nvme_read",
                                              "nvme_write"), "analytic"),
-                      graph_bytes=[GIB] * n, working_bytes=[8 * GIB] * n, dtype="bfloat16")
+                      graph_bytes=[GIB] * n, working_bytes=[8 * GIB] * n, dtype="bfloat16", batch=4)
 
-    def problem(micro_batches: int):
-        return plan_problem(profile, 6 * GIB, GIB, 0, total_bytes=6 * GIB, slot_bytes=GIB // 10, prefetch_depth=1,
+    def problem(micro_batches: int | str, total: int = 6 * GIB):
+        return plan_problem(profile, 6 * GIB, GIB, 0, total_bytes=total, slot_bytes=GIB // 10, prefetch_depth=1,
                             loss_chunk_bytes=1 << 20, head_grad_bytes=0, max_recompute_span=2, keep_graph_layers=0,
                             micro_batches=micro_batches)
 
@@ -157,6 +160,12 @@ def test_the_milp_plans_the_micro_batch_working_set():
     assert problem(2).working_bytes == [7 * GIB // 2 + 2 * GIB + (1 << 20)] * n
     assert problem(4).working_bytes == [7 * GIB // 4 + 2 * GIB + (1 << 20)] * n
     assert solve(problem(2)).micro_batches == 2  # the plan runs what its problem counted
+    assert problem("auto") == problem(2)  # the fewest slices with which a plan fits
+    assert problem("auto", total=10 * GIB) == problem(1, total=10 * GIB)
+    # none fits: the most slices, whose refusal is what is left after slicing
+    assert problem("auto", total=3 * GIB) == problem(4, total=3 * GIB)
+    with pytest.raises(InfeasibleScheduleError, match="working set"):
+        solve(problem("auto", total=3 * GIB))
     profile.batch = 2  # the engine never cuts a batch into more slices than it has rows
     assert problem(4).working_bytes == problem(2).working_bytes
 

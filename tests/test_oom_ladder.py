@@ -199,5 +199,5 @@ def test_a_changed_schedule_is_not_overridden_by_the_saved_ladder(tmp_path, capl
     loading.load_state_dict(saving.state_dict())
     with caplog.at_level(logging.WARNING, logger="lightning_lazytrain.oom_ladder"):
         loading.restore(executor, settings, None)
-    assert settings.layer_micro_batches == 1 and loading.taken == [] and executor.plan.micro_batches == 1
+    assert settings.layer_micro_batches == "auto" and loading.taken == [] and executor.plan.micro_batches == 1
     assert "this run has schedule='interval:2'" in caplog.text

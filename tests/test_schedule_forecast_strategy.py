@@ -18,7 +18,8 @@ from lightning_lazytrain.engine.executor import StreamingExecutor
 from lightning_lazytrain.models.adapter import adapter_for
 from lightning_lazytrain.schedule import profile_model
 from lightning_lazytrain.schedule.analytic import ACHIEVED_FRACTION, analytic_profile, scale_profile
-from lightning_lazytrain.schedule.batch_search import admits, largest_batch, some_plan_fits
+from lightning_lazytrain.schedule.batch_search import admits, largest_batch
+from lightning_lazytrain.schedule.feasibility import some_plan_fits
 from lightning_lazytrain.schedule.forecast import Machine, RunSpec, forecast, gpu_total_bytes, problem_for
 from lightning_lazytrain.schedule.gpus import GPUS
 from lightning_lazytrain.schedule.milp import InfeasibleScheduleError, precheck, solve
@@ -114,7 +115,7 @@ def test_a_mixed_model_gets_a_graph_estimate_per_layer_kind():
 
 
 def test_largest_batch_is_the_brute_force_largest():
-    run = _six()
+    run = _six(layer_micro_batches=1)  # whole-batch layers: the working set limits the batch
     # 1.5 GiB of head working set, then 40 MiB per sequence of one layer's working set and 1 MiB per boundary
     machine = Machine(replace(H200, memory_bytes=2 * GIB), GIB // 2)
     best = largest_batch(run, machine, _analytic(run))
@@ -124,6 +125,26 @@ def test_largest_batch_is_the_brute_force_largest():
     assert best.batch == brute and best.fits_gpu
     # the cheap test answers as the MILP does at every batch, not only at the one the search settles on
     assert [admits(run, machine, b, _analytic(run)) for b in range(1, 48)] == fits
+
+
+def test_auto_micro_batches_are_the_fewest_that_fit_and_the_batch_search_stays_exact():
+    """``layer_micro_batches="auto"`` (the default) takes the fewest slices with which the forecast fits: where the
+    whole batch's working set no longer fits, the batch goes on growing in slices until the boundaries fill the
+    device. The cheap test stays monotone in the batch, so bisection still finds the brute-force largest."""
+    from lightning_lazytrain.schedule.plan_problem import micro_batch_candidates
+
+    auto, whole = _six(), _six(layer_micro_batches=1)
+    machine = Machine(replace(H200, memory_bytes=2 * GIB), GIB // 2)
+    fits = [admits(auto, machine, b, _analytic(auto)) for b in range(1, 130)]
+    assert fits == sorted(fits, reverse=True)
+    best, whole_best = largest_batch(auto, machine, _analytic(auto)), largest_batch(whole, machine, _analytic(whole))
+    assert best.batch == sum(fits) > whole_best.batch + 10 and best.fits_gpu
+    for batch in (1, whole_best.batch, whole_best.batch + 1, best.batch):
+        chosen = forecast(auto, machine, batch, _analytic(auto)).schedule.micro_batches
+        fixed = [k for k in micro_batch_candidates(batch)
+                 if forecast(_six(layer_micro_batches=k), machine, batch, _analytic(auto)).fits_gpu]
+        assert chosen == fixed[0], (batch, chosen, fixed)
+    assert forecast(auto, machine, whole_best.batch + 1, _analytic(auto)).schedule.micro_batches > 1
 
 
 @pytest.mark.parametrize("memory_gib", [1.8, 2.0, 2.5])

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -64,7 +65,7 @@ class RunSpec:
     nvme_activation_gib: float | None = None
     spill_dir: str | None = None
     max_recompute_span: int = 4
-    layer_micro_batches: int = 1
+    layer_micro_batches: int | Literal["auto"] = "auto"  # "auto": the MILP's choice; an interval or JSON plan's 1
     solver_time_limit: float = 10.0
     solver_mip_gap: float = 0.01
     checkpoints_kept: int = 0  # full-state checkpoints the run keeps on disk (Lightning's default callback: 1)
@@ -169,6 +170,9 @@ def budgets(run: RunSpec, machine: Machine) -> tuple[int, int, int]:
 def problem_for(run: RunSpec, machine: Machine, profile: Profile) -> ScheduleProblem:
     """The problem `planner.solve_plan` would build on ``machine`` for ``profile``."""
     gpu, cpu, nvme = budgets(run, machine)
+    micro = run.layer_micro_batches
+    if micro == "auto" and run.schedule.strip() != "milp":
+        micro = 1  # only the MILP chooses slices, as in the run (`planner.initial_plan`)
     return plan_problem(
         profile,
         gpu,
@@ -181,7 +185,7 @@ def problem_for(run: RunSpec, machine: Machine, profile: Profile) -> SchedulePro
         head_grad_bytes=head_grad_sum_bytes(run.adapter.lm_head),
         max_recompute_span=run.max_recompute_span,
         keep_graph_layers=run.keep_graph_layers,
-        micro_batches=run.layer_micro_batches,
+        micro_batches=micro,
     )
 
 

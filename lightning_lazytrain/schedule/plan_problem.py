@@ -10,10 +10,12 @@ block's working set out of the total (`milp_memory.py`); the GPU activation budg
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import torch
 
 from .build import build_problem
+from .feasibility import plan_exists
 from .layer_memory import micro_batch_working_bytes
 from .problem import ScheduleProblem
 from .profile import Profile
@@ -41,6 +43,14 @@ def head_grad_sum_bytes(lm_head: torch.nn.Module) -> int:
     return 4 * weight.numel() if weight.requires_grad else 0
 
 
+def micro_batch_candidates(rows: int) -> list[int]:
+    """1, 2, 4, ... below ``rows``, then ``rows`` (one row a slice); [1] when the batch is not known."""
+    out = [1]
+    while out[-1] * 2 < rows:
+        out.append(out[-1] * 2)
+    return out + [rows] if rows > 1 else out
+
+
 def plan_problem(
     profile: Profile,
     gpu_budget_bytes: int,
@@ -54,12 +64,28 @@ def plan_problem(
     head_grad_bytes: int,
     max_recompute_span: int,
     keep_graph_layers: int,
-    micro_batches: int = 1,
+    micro_batches: int | Literal["auto"] = 1,
 ) -> ScheduleProblem:
     """The problem for ``profile`` under the activation budgets and the device's ``total_bytes`` (``None``: no
     device memory limits the plan, the CPU run); the last ``keep_graph_layers`` layers must keep their graph;
     layers run in ``micro_batches`` row slices (their working set as `micro_batch_working_bytes`, their times and
-    every other byte count as profiled for the whole batch)."""
+    every other byte count as profiled for the whole batch).
+
+    ``micro_batches="auto"``: the fewest slices, of 1, 2, 4, ... and one row each, for which some plan meets the
+    memory rows (`feasibility.plan_exists`); the most when none does, so that the solve's refusal is the one left
+    after slicing. Fewest, since a slice below the GPU's efficient size runs slower."""
+    if micro_batches == "auto":
+        problem = None
+        for slices in micro_batch_candidates(profile.batch):
+            problem = plan_problem(profile, gpu_budget_bytes, cpu_budget_bytes, nvme_budget_bytes,
+                                   total_bytes=total_bytes, slot_bytes=slot_bytes, prefetch_depth=prefetch_depth,
+                                   loss_chunk_bytes=loss_chunk_bytes, head_grad_bytes=head_grad_bytes,
+                                   max_recompute_span=max_recompute_span, keep_graph_layers=keep_graph_layers,
+                                   micro_batches=slices)
+            if total_bytes is None or plan_exists(problem):
+                break
+        assert problem is not None
+        return problem
     n = profile.num_layers
     slices = min(micro_batches, profile.batch) if profile.batch else micro_batches  # the engine's, never empty
     if slices > 1 and profile.working_bytes:

@@ -35,8 +35,10 @@ def _plan_lines(f: dict, seq: int, world: int, peak_tflops: float) -> list[str]:
     p = f["prediction"]
     tokens = f["batch"] * seq * world / p["step_s"]
     mfu = f", MFU {f['model_tflops'] / peak_tflops:.2f} of the bf16 peak" if peak_tflops else ""
+    slices = s.get("micro_batches", 1)
+    sliced = f"; each layer in {slices} row slices ({-(-f['batch'] // slices)} rows at most)" if slices > 1 else ""
     return [
-        f"  plan ({how}): boundaries {counts}; graphs kept {sum(s['keep_graph'])}",
+        f"  plan ({how}): boundaries {counts}; graphs kept {sum(s['keep_graph'])}{sliced}",
         "  homes (G gpu, C cpu, N nvme, r recompute): " + "".join(_LETTER[t] for t in tiers),
         f"  predicted step {p['step_s']:.3g} s = forward {p['forward_s']:.3g} + backward {p['backward_s']:.3g} + "
         f"head {p['head_s']:.3g} + exposed {p['exposed_s']:.3g} + update {p['update_s']:.3g}; "
