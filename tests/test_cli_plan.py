@@ -140,3 +140,18 @@ def test_the_plan_names_the_kernels_the_layers_will_run():
     assert _kernels(run("qwen3-moe", "liger")) == "Liger's fused norm and RoPE"
     assert _kernels(run("qwen2", "none")) == "HF's own"
     assert _kernels(run("qwen3.5", "liger")) == "HF's own (Liger's kernels cover no layer of this family)"
+
+
+def test_a_batch_whose_layers_fit_only_in_slices_is_planned_in_slices(tmp_path):
+    """The 7B recipe at batch 96 under a 24 GiB cap: with whole-batch layers the largest layer's working set does
+    not fit (the note names layer_micro_batches); by default the plan takes row slices and fits."""
+    common = ["--config", str(RECIPE_7B), "--gpu", "h100", "--gpu_memory_gib", "24", "--data.batch_size", "96",
+              "--max_batch", "false", "--host_ram_gib", "200"]
+    whole = plan([*common, "--trainer.strategy.init_args.layer_micro_batches", "1"], tmp_path)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert "no plan fits" in whole.stdout and "run each layer in more row slices (layer_micro_batches)" in whole.stdout
+    auto = plan(common, tmp_path)
+    assert auto.returncode == 0, auto.stderr[-3000:]
+    sliced = re.search(r"graphs kept \d+; each layer in (\d+) row slices \((\d+) rows at most\)", auto.stdout)
+    assert sliced and int(sliced.group(1)) > 1 and int(sliced.group(2)) == -(-96 // int(sliced.group(1))), auto.stdout
+    assert "no plan fits" not in auto.stdout
