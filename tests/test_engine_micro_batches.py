@@ -2,6 +2,7 @@
 the batch, its weight gradients are summed, and the run trains like the one without micro-batches and like plain
 Lightning, masks, kept graphs, MLP re-runs and dropout included."""
 
+import dataclasses
 import json
 
 import pytest
@@ -166,6 +167,10 @@ def test_the_milp_plans_the_micro_batch_working_set():
     assert problem("auto", total=3 * GIB) == problem(4, total=3 * GIB)
     with pytest.raises(InfeasibleScheduleError, match="working set"):
         solve(problem("auto", total=3 * GIB))
+    unprofiled = plan_problem(dataclasses.replace(profile, working_bytes=[]), 6 * GIB, GIB, 0, total_bytes=GIB,
+                              slot_bytes=GIB // 10, prefetch_depth=1, loss_chunk_bytes=1 << 20, head_grad_bytes=0,
+                              max_recompute_span=2, keep_graph_layers=0, micro_batches="auto")
+    assert unprofiled.micro_batches == 1  # no working set to divide: slices would only run slower
     profile.batch = 2  # the engine never cuts a batch into more slices than it has rows
     assert problem(4).working_bytes == problem(2).working_bytes
 

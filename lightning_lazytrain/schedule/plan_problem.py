@@ -76,7 +76,8 @@ def plan_problem(
     after slicing. Fewest, since a slice below the GPU's efficient size runs slower."""
     if micro_batches == "auto":
         problem = None
-        for slices in micro_batch_candidates(profile.batch):
+        # without a working set to divide, slices change nothing and only run slower
+        for slices in micro_batch_candidates(profile.batch if profile.working_bytes else 1):
             problem = plan_problem(profile, gpu_budget_bytes, cpu_budget_bytes, nvme_budget_bytes,
                                    total_bytes=total_bytes, slot_bytes=slot_bytes, prefetch_depth=prefetch_depth,
                                    loss_chunk_bytes=loss_chunk_bytes, head_grad_bytes=head_grad_bytes,
