@@ -165,7 +165,7 @@ def test_the_milp_plans_the_micro_batch_working_set():
     assert problem("auto", total=10 * GIB) == problem(1, total=10 * GIB)
     # none fits: the most slices, whose refusal is what is left after slicing
     assert problem("auto", total=3 * GIB) == problem(4, total=3 * GIB)
-    with pytest.raises(InfeasibleScheduleError, match="working set"):
+    with pytest.raises(InfeasibleScheduleError, match="working set in 4 row slices with its slots"):
         solve(problem("auto", total=3 * GIB))
     unprofiled = plan_problem(dataclasses.replace(profile, working_bytes=[]), 6 * GIB, GIB, 0, total_bytes=1 << 20,
                               slot_bytes=GIB // 10, prefetch_depth=1, loss_chunk_bytes=1 << 20, head_grad_bytes=0,

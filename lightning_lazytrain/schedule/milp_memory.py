@@ -101,11 +101,12 @@ def memory_shortfall(p: ScheduleProblem) -> str | None:
     need = a[0] + a[n] + forced + p.fixed_slots * p.slot_bytes + work
     if need <= p.gpu_total_bytes:
         return None
+    sliced = f" in {p.micro_batches} row slices" if p.micro_batches > 1 else ""
     return (
         f"GPU memory short by {(need - p.gpu_total_bytes) / GIB:.3f} GiB: the smallest plan needs "
         f"{need / GIB:.3f} GiB (boundaries 0 and L {(a[0] + a[n]) / GIB:.3f}, {len(p.keep_graph_layers)} forced "
         f"kept graphs {forced / GIB:.3f}, {p.fixed_slots} prefetch slots "
-        f"{p.fixed_slots * p.slot_bytes / GIB:.3f}, the largest layer's working set with its slots and reloads "
+        f"{p.fixed_slots * p.slot_bytes / GIB:.3f}, the largest layer's working set{sliced} with its slots and reloads "
         f"{work / GIB:.3f}) "
         f"and the device has {p.gpu_total_bytes / GIB:.3f} GiB for the plan; lower the batch / sequence length, "
         f"run each layer in more row slices (layer_micro_batches), keep fewer graphs (keep_graph_layers) or lower "
