@@ -1,7 +1,12 @@
-"""The MILP plan during a run: solved at the first training batch, and solved again when the link drifts.
+"""The MILP plan during a run: solved at the first training batch, solved again for a larger batch, and when the
+link drifts.
 
-``MilpPlan.before_batch`` solves it for the first batch's shape (or takes the plan the checkpoint holds for that
-shape), writes it beside the logs and hands it to the executor.
+``MilpPlan.before_batch`` solves it for the first batch's shape (or takes the plan the checkpoint holds for a shape
+that covers it), writes it beside the logs and hands it to the executor. Batches padded to their longest sample
+change shape from step to step, and a plan's memory grows with the tokens: a batch with more rows or columns than
+the plan was solved for would run past the device memory the plan counted (after the first steps, the OOM ladder
+no longer catches it). Such a batch is planned for first, at its rows and its length rounded up to ``SEQ_STEP``
+(so a run meets a new plan a few times, not at every longer batch); smaller batches keep the larger plan.
 
 Online re-plan (``LinkDrift``): every ``every`` steps the link is probed again; when a direction drifted from the
 profile the plan was solved for by more than ``tolerance`` (another process on the PCIe link, a throttled GPU), the
@@ -28,6 +33,24 @@ from lightning_lazytrain.schedule import Profile
 
 log = logging.getLogger(__name__)
 GB = 1e9
+SEQ_STEP = 128
+
+
+def covers(planned: tuple[int, int], shape: tuple[int, int]) -> bool:
+    return shape[0] <= planned[0] and shape[1] <= planned[1]
+
+
+def grown_shape(planned: tuple[int, int], shape: tuple[int, int]) -> tuple[int, int]:
+    """The shape to plan for when ``shape`` is not covered: the larger rows and columns, the columns rounded up."""
+    seq = max(planned[1], shape[1])
+    return max(planned[0], shape[0]), -(-seq // SEQ_STEP) * SEQ_STEP
+
+
+def batch_shape(batch: Any) -> tuple[int, int]:
+    ids = batch["input_ids"] if isinstance(batch, Mapping) else getattr(batch, "input_ids", None)
+    if ids is None:
+        raise ValueError("schedule='milp' plans for the batch shape: the batch must carry input_ids (B, T)")
+    return ids.shape[0], ids.shape[-1]
 
 
 @dataclasses.dataclass
@@ -73,15 +96,17 @@ class MilpPlan:
         self.settings, self.resume, self.link_drift, self.num_slots = settings, resume, link_drift, num_slots
 
     def before_batch(self, batch: Any, executor: StreamingExecutor, step: int, log_dir: str) -> None:
-        if self.resume.schedule_result is not None:
-            self._maybe_replan(executor, step, log_dir)
-            return
-        ids = batch["input_ids"] if isinstance(batch, Mapping) else getattr(batch, "input_ids", None)
-        if ids is None:
-            raise ValueError("schedule='milp' plans for the batch shape: the batch must carry input_ids (B, T)")
-        shape = (ids.shape[0], ids.shape[-1])
+        shape, planned, saved = batch_shape(batch), self.resume.plan_shape, None
+        if self.resume.schedule_result is not None and planned is not None:
+            if covers(planned, shape):
+                self._maybe_replan(executor, step, log_dir)
+                return
+            log.warning("lazytrain: batch %d x %d is larger than the %d x %d the plan was solved for: solving it for "
+                        "%d x %d", *shape, *planned, *grown_shape(planned, shape))
+            shape = grown_shape(planned, shape)
+        elif (found := self.resume.saved_plan(shape)) is not None:
+            shape, saved = found
         self.resume.plan_shape = shape
-        saved = self.resume.saved_plan(shape)
         self.resume.schedule_result = saved or solve_plan(self.settings, executor, *shape)
         executor.set_plan(self.resume.schedule_result, self.num_slots)
         if saved is not None:

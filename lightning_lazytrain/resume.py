@@ -5,7 +5,8 @@ data position. The strategy adds, under ``checkpoint["lazytrain"]``:
 
 * the skipped-step counters (``skipped_steps`` and the non-finite guard's streak), so an abort after three bad steps
   in a row counts across a resume;
-* the solved MILP plan and the batch shape it was solved for, so a resume runs the same plan without re-solving;
+* the solved MILP plan and the batch shape it was solved for, so a resume runs the same plan without re-solving
+  (for any batch no larger);
 * what the OOM fallback ladder changed (its plan and the settings it lowered), so a run resumed past the steps the
   ladder acts in does not start again on the plan that ran out of memory;
 * the global random streams (torch CPU and CUDA, Python ``random``, NumPy), restored at the first resumed batch:
@@ -122,8 +123,12 @@ class ResumeState:
         self._pending_rng = None
         self.oom_ladder.forget_pending()
 
-    def saved_plan(self, shape: tuple[int, int]) -> Schedule | None:
-        """The plan the checkpoint holds, when it was solved for this batch shape (else the MILP is solved anew)."""
-        if self._saved_plan is None or self._saved_plan[0] != shape:
+    def saved_plan(self, shape: tuple[int, int]) -> tuple[tuple[int, int], Schedule] | None:
+        """The plan the checkpoint holds and the shape it was solved for, when that shape covers this batch's (rows
+        and length at least as large; else the MILP is solved anew)."""
+        if self._saved_plan is None:
             return None
-        return Schedule.from_json(self._saved_plan[1])
+        (rows, seq), plan = self._saved_plan
+        if shape[0] > rows or shape[1] > seq:
+            return None
+        return (rows, seq), Schedule.from_json(plan)

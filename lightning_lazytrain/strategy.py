@@ -47,8 +47,8 @@ class LazyTrainStrategy(CheckpointingStrategy):
         model_attr: attribute of the LightningModule holding the HF model; found automatically when there is one.
         schedule: ``"interval:K"`` keeps every K-th layer boundary on the device and recomputes the rest in the
             backward (``"interval:1"``: every boundary kept, one re-forward per layer); ``"milp"`` solves the
-            activation plan (GPU / CPU / NVMe / recompute per boundary) at the first training batch; a path to a
-            ``.json`` plan runs that plan.
+            activation plan (GPU / CPU / NVMe / recompute per boundary) at the first training batch, and again
+            before a larger one; a path to a ``.json`` plan runs that plan.
         keep_graph_layers: the last N layers keep their whole autograd graph on the device (no re-forward).
         num_slots: device weight slots; default: what the plan needs plus ``prefetch_depth``.
         prefetch_depth: how many layers ahead weights are copied while the current one computes.

@@ -51,3 +51,40 @@ def test_link_as_profiled_keeps_the_plan(tmp_path):
     strategy = _strategy(lambda: (H200_H2D * 1.1, H200_D2H * 0.9, H200_DUPLEX))  # within the 25% tolerance
     train(tiny_model("qwen3"), batches(3), strategy=strategy, default_root_dir=str(tmp_path))
     assert strategy.link_drift.events == []
+
+
+def test_a_larger_batch_is_planned_for_before_it_runs(tmp_path, caplog, monkeypatch):
+    """Batches padded to their longest sample change shape. A batch longer or wider than the plan's shape is
+    planned for first (its length rounded up to 128), which the budget then fits with other homes; a smaller batch
+    keeps the larger plan. Training matches the plain run throughout."""
+    import lightning_lazytrain.replan as replan
+
+    data = batches(1, seq=16) + batches(1, seq=24, seed=2) + batches(1, seq=16, seed=3) + batches(1, 3, 20, seed=4)
+    plain, _ = train(tiny_model("qwen3"), data, max_steps=4)
+    solved, solve_plan = [], replan.solve_plan
+    monkeypatch.setattr(replan, "solve_plan", lambda s, e, *shape, **kw: solved.append(shape) or solve_plan(
+        s, e, *shape, **kw))
+    strategy = LazyTrainStrategy(schedule="milp", gpu_activation_gib=36 * ACT / 2**30, cpu_activation_gib=0.0)
+    tiers = []
+    strategy.milp_plan.before_batch = _after(strategy.milp_plan.before_batch,
+                                             lambda: tiers.append(list(strategy.schedule_result.tiers)))
+    with caplog.at_level(logging.WARNING):
+        lt, _ = train(tiny_model("qwen3"), data, strategy=strategy, max_steps=4, default_root_dir=str(tmp_path))
+    assert solved == [(2, 16), (2, 128), (3, 128)]
+    assert strategy.resume.plan_shape == (3, 128)
+    grown = [r.getMessage() for r in caplog.records if "larger than" in r.getMessage()]
+    assert grown == ["lazytrain: batch 2 x 24 is larger than the 2 x 16 the plan was solved for: solving it for "
+                     "2 x 128", "lazytrain: batch 3 x 20 is larger than the 2 x 128 the plan was solved for: "
+                     "solving it for 3 x 128"]
+    # room for 36 boundaries of 2 x 16 on the GPU: every one at 2 x 16; at 2 x 128 (8 times the bytes) the two ends
+    # and two more; at 3 x 128 the ends and one
+    assert [t[1:-1].count("gpu") for t in tiers] == [3, 2, 2, 1]  # batch 3 (2 x 16) runs the 2 x 128 plan
+    assert rel_diff(lt.model, plain.model) <= 5e-6
+
+
+def _after(method, then):
+    def wrapped(*args, **kwargs):
+        method(*args, **kwargs)
+        then()
+
+    return wrapped

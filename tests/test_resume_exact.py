@@ -94,7 +94,8 @@ def test_sampler_refuses_a_state_for_other_data():
 
 
 def test_strategy_state_round_trips_through_a_checkpoint_file(tmp_path):
-    """Skipped-step counters and the solved plan come back from disk (weights_only); the plan only for its shape."""
+    """Skipped-step counters and the solved plan come back from disk (weights_only); the plan only for batches its
+    shape covers."""
     saving = LazyTrainStrategy(schedule="milp")
     saving.resume.skipped_steps = 2
     saving.resume.nonfinite_guard.consecutive, saving.resume.nonfinite_guard.skipped = 1, 2
@@ -106,8 +107,10 @@ def test_strategy_state_round_trips_through_a_checkpoint_file(tmp_path):
     loading.resume.load(io.load_checkpoint(path)[STATE_KEY])
     assert loading.resume.skipped_steps == 2
     assert loading.resume.nonfinite_guard.state_dict() == saving.resume.nonfinite_guard.state_dict()
-    assert loading.resume.saved_plan((2, 16)).tiers == saving.resume.schedule_result.tiers
-    assert loading.resume.saved_plan((4, 16)) is None
+    shape, plan = loading.resume.saved_plan((2, 16))
+    assert shape == (2, 16) and plan.tiers == saving.resume.schedule_result.tiers
+    assert loading.resume.saved_plan((1, 9))[0] == (2, 16)  # a shorter batch runs the saved plan, for its shape
+    assert loading.resume.saved_plan((4, 16)) is None and loading.resume.saved_plan((2, 17)) is None
 
 
 def test_random_streams_are_restored_at_the_first_resumed_batch():
