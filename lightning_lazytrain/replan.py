@@ -25,6 +25,8 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
+
 from lightning_lazytrain.engine import StreamingExecutor
 from lightning_lazytrain.engine.link import measure_link_cuda
 from lightning_lazytrain.planner import PlanSettings, solve_plan, write_plan
@@ -107,13 +109,20 @@ class MilpPlan:
         elif (found := self.resume.saved_plan(shape)) is not None:
             shape, saved = found
         self.resume.plan_shape = shape
-        self.resume.schedule_result = saved or solve_plan(self.settings, executor, *shape)
+        self.resume.schedule_result = saved or self._solve(executor, shape)
         executor.set_plan(self.resume.schedule_result, self.num_slots)
         if saved is not None:
             log.info("lazytrain: running the plan saved in the checkpoint for batch %d x %d", *shape)
             return
         path = write_plan(self.resume.schedule_result, log_dir)
         log.info("lazytrain: plan for batch %d x %d written to %s", *shape, path)
+
+    def _solve(self, executor: StreamingExecutor, shape: tuple[int, int], profile: Profile | None = None):
+        """The plan budgets from the device memory free now: blocks the allocator still caches from earlier steps
+        are not in use, but would count as taken (a mid-run plan would get less than the first one did)."""
+        if executor.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return solve_plan(self.settings, executor, *shape, profile=profile)
 
     def _maybe_replan(self, executor: StreamingExecutor, step: int, log_dir: str) -> None:
         """At a step boundary: solve again when the link drifted from the profile the plan was solved for."""
@@ -122,7 +131,7 @@ class MilpPlan:
         profile = self.link_drift.check(step, getattr(self.resume.schedule_result, "profile", None))
         if profile is None or self.resume.plan_shape is None:
             return
-        schedule = solve_plan(self.settings, executor, *self.resume.plan_shape, profile=profile)
+        schedule = self._solve(executor, self.resume.plan_shape, profile)
         self.resume.schedule_result = schedule
         executor.set_plan(schedule, self.num_slots)
         path = write_plan(schedule, log_dir)
