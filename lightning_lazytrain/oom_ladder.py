@@ -12,7 +12,8 @@ Rungs, in order, each logged; a rung that would not change the plan is skipped:
    The user's batch, loss and optimizer step are unchanged, so unlike Lightning's gradient accumulation it needs
    no change to the training loop; what it cannot shrink is the whole-batch boundaries and the head's chunk.
 
-When no rung is left, or after the first ``steps`` optimizer steps, the error is today's ``GpuMemoryError``.
+When no rung is left, or after the first ``steps`` optimizer steps of the running plan (the run's first, or one
+solved mid-run for a larger batch, `replan.py`), the error is today's ``GpuMemoryError``.
 
 What the ladder changed goes into checkpoints (:meth:`OomLadder.state_dict`): a run resumed past the first steps
 has no ladder left, so it must start on the plan and settings that fit, not on the ones that ran out of memory.
@@ -77,15 +78,21 @@ class OomLadder:
     steps: int = 3
     rung: int = 0
     taken: list[str] = dataclasses.field(default_factory=list)
+    #: the step the running plan was solved at: a plan solved mid-run for a larger batch gets its own first steps
+    since: int = 0
     #: after a rung: the plan it gave, and the plan settings then (schedule, GPU budget, micro-batches)
     plan: Schedule | None = None
     settings_after: dict[str, Any] = dataclasses.field(default_factory=dict)
     _pending: dict[str, Any] | None = None
 
     def applies(self, step: int, accumulate_grad_batches: int) -> bool:
-        """Whether an OOM at ``step`` may be re-planned: the first ``steps`` steps, no accumulation (a half-done
-        accumulation cannot be run again), a rung left."""
-        return step < self.steps and accumulate_grad_batches == 1 and self.rung < len(RUNGS)
+        """Whether an OOM at ``step`` may be re-planned: the first ``steps`` steps of the running plan, no
+        accumulation (a half-done accumulation cannot be run again), a rung left."""
+        return step - self.since < self.steps and accumulate_grad_batches == 1 and self.rung < len(RUNGS)
+
+    def rearm(self, step: int) -> None:
+        """A new plan from ``step`` on (solved for a larger batch): the ladder starts again from its first rung."""
+        self.since, self.rung = step, 0
 
     def plan_after_oom(self, executor: StreamingExecutor, settings, shape: tuple[int, int] | None,
                        failure: BaseException | None = None) -> Schedule | None:

@@ -106,6 +106,7 @@ class MilpPlan:
             log.warning("lazytrain: batch %d x %d is larger than the %d x %d the plan was solved for: solving it for "
                         "%d x %d", *shape, *planned, *grown_shape(planned, shape))
             shape = grown_shape(planned, shape)
+            self.resume.oom_ladder.rearm(step)
         elif (found := self.resume.saved_plan(shape)) is not None:
             shape, saved = found
         self.resume.plan_shape = shape

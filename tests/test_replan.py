@@ -88,3 +88,24 @@ def _after(method, then):
         then()
 
     return wrapped
+
+
+def test_a_plan_solved_for_a_larger_batch_gets_the_oom_ladder_again():
+    """The ladder acts in a plan's first steps: the run's, and those of a plan solved at step 4 for a longer batch.
+    An OOM in that batch takes a rung instead of stopping the run."""
+    import torch
+
+    data = batches(4, seq=16) + batches(1, seq=24, seed=2)
+    model, left = tiny_model("qwen3"), {"n": 1}
+
+    def hook(module, args):
+        if args[0].shape[1] > 16 and left["n"] > 0:
+            left["n"] -= 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    model.model.layers[1].mlp.register_forward_pre_hook(hook)
+    plain, _ = train(tiny_model("qwen3"), data, max_steps=5)
+    strategy = LazyTrainStrategy(schedule="milp")
+    lt, trainer = train(model, data, strategy=strategy, max_steps=5)
+    assert left["n"] == 0 and strategy.oom_ladder.taken and strategy.oom_ladder.since == 4
+    assert trainer.global_step == 5 and rel_diff(lt.model, plain.model) <= 5e-6
