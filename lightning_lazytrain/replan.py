@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from lightning_lazytrain.engine import StreamingExecutor
+from lightning_lazytrain.engine import Schedule, StreamingExecutor
 from lightning_lazytrain.engine.link import measure_link_cuda
 from lightning_lazytrain.planner import PlanSettings, solve_plan, write_plan
 from lightning_lazytrain.resume import ResumeState
@@ -103,9 +103,10 @@ class MilpPlan:
             if covers(planned, shape):
                 self._maybe_replan(executor, step, log_dir)
                 return
+            grown = grown_shape(planned, shape)
             log.warning("lazytrain: batch %d x %d is larger than the %d x %d the plan was solved for: solving it for "
-                        "%d x %d", *shape, *planned, *grown_shape(planned, shape))
-            shape = grown_shape(planned, shape)
+                        "%d x %d", *shape, *planned, *grown)
+            shape = grown
             self.resume.oom_ladder.rearm(step)
         elif (found := self.resume.saved_plan(shape)) is not None:
             shape, saved = found
@@ -118,7 +119,7 @@ class MilpPlan:
         path = write_plan(self.resume.schedule_result, log_dir)
         log.info("lazytrain: plan for batch %d x %d written to %s", *shape, path)
 
-    def _solve(self, executor: StreamingExecutor, shape: tuple[int, int], profile: Profile | None = None):
+    def _solve(self, executor: StreamingExecutor, shape: tuple[int, int], profile: Profile | None = None) -> Schedule:
         """The plan budgets from the device memory free now: blocks the allocator still caches from earlier steps
         are not in use, but would count as taken (a mid-run plan would get less than the first one did)."""
         if executor.device.type == "cuda":
