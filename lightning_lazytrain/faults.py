@@ -141,9 +141,10 @@ def gpu_out_of_memory(exc: BaseException, available: int | None, batch_shape: tu
     """``exc`` is torch's OutOfMemoryError; the size it tried to allocate is read from its message."""
     found = re.search(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)", str(exc))
     asked = int(float(found.group(1)) * _UNITS[found.group(2)]) if found else None
-    shape = f"batch {batch_shape[0]} x {batch_shape[1]}, " if batch_shape else ""
+    # an MILP plan's shape: the largest batch so far, which the plan was solved for (`replan.py`)
+    shape = f" for batch {batch_shape[0]} x {batch_shape[1]}" if batch_shape else ""
     return GpuMemoryError(
-        "GPU memory", f"out of memory inside a training step ({shape}plan {plan_summary(plan)})",
+        "GPU memory", f"out of memory inside a training step (plan{shape}: {plan_summary(plan)})",
         ["a smaller batch with accumulate_grad_batches to keep the global batch",
          "a smaller gpu_activation_gib, so that schedule='milp' sends more boundaries to 'cpu' or 'recompute'",
          "fewer keep_graph_layers",

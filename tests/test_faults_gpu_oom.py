@@ -17,8 +17,9 @@ class OutOfMemoryModule(LMModule):
         return super().training_step(batch, batch_idx)
 
 
-def test_out_of_memory_in_a_step_names_bytes_plan_and_fixes():
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=LazyTrainStrategy(schedule="interval:2"),
+@pytest.mark.parametrize("schedule", ["interval:2", "milp"])
+def test_out_of_memory_in_a_step_names_bytes_plan_and_fixes(schedule):
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=LazyTrainStrategy(schedule=schedule),
                          precision="32-true", max_steps=3, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
     with pytest.raises(GpuMemoryError) as info:
@@ -31,3 +32,4 @@ def test_out_of_memory_in_a_step_names_bytes_plan_and_fixes():
     assert "'gpu': " in text and "'recompute': " in text
     assert "smaller batch" in text and "expandable_segments" in text and "layer_micro_batches" in text
     assert "layers in 2 row slices" in text  # the ladder's last plan: batch 2, one row a slice
+    assert ("(plan for batch 2 x 16: " if schedule == "milp" else "(plan: ") in text
