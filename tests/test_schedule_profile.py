@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 
@@ -99,7 +100,8 @@ def test_device_profile_measures_the_layers_once(monkeypatch):
         calls.append(device)
         return {j: measure_mod.LayerMeasurement(0.4, 0.3, 1, 2, 0.2, 1) for j in range(LAYERS)}
 
-    monkeypatch.setattr(profile_mod, "measure_layers", layers)
+    monkeypatch.setattr(profile_mod, "measure_layers_fitting",
+                        functools.partial(measure_mod.measure_layers_fitting, measure=layers))
     monkeypatch.setattr(profile_mod, "measure_head", lambda *args: 0.5)
     monkeypatch.setattr(profile_mod, "measure_link_cuda", lambda device: (1e9, 1e9, 2e9))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
@@ -108,6 +110,32 @@ def test_device_profile_measures_the_layers_once(monkeypatch):
     assert len(calls) == 1
     assert prof.forward_seconds == [0.4] * LAYERS and prof.rerun_seconds == [0.3] * LAYERS
     assert prof.mlp_seconds == [0.2] * LAYERS and prof.working_bytes == [2] * LAYERS
+
+
+def test_a_layer_that_does_not_fit_whole_batch_is_profiled_on_fewer_rows_and_scaled(monkeypatch):
+    """The batches layer micro-batches exist for: one whole-batch layer runs out of device memory while profiling
+    (the 7B shape at batch 192 under a 24 GiB cap, `suite_auto_3a1dda2_h100.json`). It is measured at half the
+    rows, then half again, and scaled: times, graphs and the per-token working set by 8 / 2, the weight
+    gradients (the parameter bytes) once."""
+    adapter, tried = _adapter("qwen2"), []
+    params = [measure_mod.unique_numel(layer) * 2 for layer in adapter.layers]
+
+    def layers(adapter, batch, seq, device, dtype):
+        tried.append(batch)
+        if batch > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.94 GiB")
+        return {j: measure_mod.LayerMeasurement(0.4, 0.3, 1000, params[j] + 500, 0.2, 100) for j in range(LAYERS)}
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    measured, rows = measure_mod.measure_layers_fitting(adapter, 8, SEQ, torch.device("cuda", 0), torch.bfloat16,
+                                                        measure=layers)
+    assert tried == [8, 4, 2] and rows == 2
+    m = measured[0]
+    assert (m.forward_seconds, m.rerun_seconds, m.mlp_seconds) == pytest.approx((1.6, 1.2, 0.8))
+    assert (m.graph_bytes, m.mlp_graph_bytes, m.working_bytes) == (4000, 400, params[0] + 2000)
+    with pytest.raises(torch.OutOfMemoryError):  # not even one row fits: the error stands
+        measure_mod.measure_layers_fitting(adapter, 1, SEQ, torch.device("cuda", 0), torch.bfloat16,
+                                           measure=lambda *a: layers(adapter, 3, SEQ, None, None))
 
 
 def test_cache_hit_on_second_call(tmp_path, monkeypatch):

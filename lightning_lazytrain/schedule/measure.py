@@ -7,7 +7,10 @@ One copy of one layer per group of layers with the same kind and parameter shape
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,8 +18,10 @@ import torch
 from lightning_lazytrain.engine.gradient_only_linear import mlp_output_skipped
 from lightning_lazytrain.models.adapter import ModelAdapter
 
-from .layer_memory import measure_layer_memory, measure_mlp_recompute_graph
+from .layer_memory import measure_layer_memory, measure_mlp_recompute_graph, unique_numel
 from .timing import rotary_inputs, time_cuda
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,46 @@ def measure_layers(adapter: ModelAdapter, batch: int, seq: int, device: torch.de
     # before the plan reads the free memory and the steps run beside them
     gc.collect()
     return out
+
+
+def measure_layers_fitting(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, dtype,
+                           measure: Callable[..., dict[int, LayerMeasurement]] = measure_layers,
+                           ) -> tuple[dict[int, LayerMeasurement], int]:
+    """``measure`` at ``batch`` rows, or, where one whole-batch layer does not fit the device (the batches that
+    layer micro-batches exist for), at half the rows and again, scaled to ``batch``. Returns the measurements and
+    the rows measured.
+
+    Scaling: times, graphs and the per-token part of the working set grow with the rows; the working set's
+    weight gradients (the layer's parameter bytes) do not. Times measured on fewer rows are per row no faster, so
+    the scaled times are an upper estimate."""
+    rows = batch
+    while True:
+        try:
+            measured = measure(adapter, rows, seq, device, dtype)
+            break
+        except torch.OutOfMemoryError:
+            if rows == 1:
+                raise
+        # out of the except block: the failed measurement's tensors are gone with its frames
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        rows = (rows + 1) // 2
+    if rows == batch:
+        return measured, rows
+    log.info("lazytrain: one layer at %d x %d does not fit the device; profiled at %d rows and scaled", batch, seq,
+             rows)
+    scale, itemsize = batch / rows, torch.empty((), dtype=dtype).element_size()
+
+    def scaled(j: int, m: LayerMeasurement) -> LayerMeasurement:
+        params = unique_numel(adapter.layers[j]) * itemsize
+        return dataclasses.replace(
+            m, forward_seconds=m.forward_seconds * scale, rerun_seconds=m.rerun_seconds * scale,
+            mlp_seconds=m.mlp_seconds * scale, graph_bytes=round(m.graph_bytes * scale),
+            mlp_graph_bytes=round(m.mlp_graph_bytes * scale),
+            working_bytes=round(max(0, m.working_bytes - params) * scale) + params)
+
+    return {j: scaled(j, m) for j, m in measured.items()}, rows
 
 
 def measure_head(adapter: ModelAdapter, tokens: int, device: torch.device, dtype, timer=time_cuda) -> float:

@@ -24,7 +24,7 @@ from lightning_lazytrain.models.adapter import ModelAdapter
 from lightning_lazytrain.models.fused_kernels import fused_count
 
 from .layer_memory import LayerEstimates, analytic_layer_estimates, output_projection_seconds, unique_numel
-from .measure import measure_head, measure_layers
+from .measure import measure_head, measure_layers_fitting
 from .spill_probe import measure_disk
 
 PROFILE_VERSION = 4  # 3: the MLP re-run's graph bytes and seconds; 4: the re-run without the output projection
@@ -155,8 +155,9 @@ def _measure(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, 
     numel = [unique_numel(layer) for layer in adapter.layers]
     cuda = device.type == "cuda"
     src = dict.fromkeys(SOURCE_KEYS, "measured" if cuda else "analytic")
+    measured_rows = None  # CUDA: the rows one layer was measured at (fewer than the batch's when it did not fit)
     if cuda:
-        measured = measure_layers(adapter, batch, seq, device, stream_dtype)
+        measured, measured_rows = measure_layers_fitting(adapter, batch, seq, device, stream_dtype)
         per_layer = [measured[j] for j in range(n)]
         forward, rerun = [m.forward_seconds for m in per_layer], [m.rerun_seconds for m in per_layer]
         layers = LayerEstimates(graph_bytes=[m.graph_bytes for m in per_layer],
@@ -187,7 +188,7 @@ def _measure(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, 
                    batch=batch, seq=seq, dtype=str(stream_dtype).replace("torch.", ""), layer_types=types,
                    rerun_seconds=rerun, **asdict(layers),
                    info={"analytic_flops": None if cuda else ANALYTIC_FLOPS, "working_set": src["forward_seconds"],
-                         "spill_dir": spill_dir})
+                         "spill_dir": spill_dir, "measured_rows": measured_rows})
 
 
 def cache_key(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, stream_dtype: torch.dtype,
