@@ -146,8 +146,8 @@ def test_a_batch_whose_layers_fit_only_in_slices_is_planned_in_slices(tmp_path):
     """The 7B recipe at batch 96 under a 24 GiB cap: with whole-batch layers the largest layer's working set does
     not fit (the note names layer_micro_batches); by default the plan takes row slices and fits."""
     common = ["--config", str(RECIPE_7B), "--gpu", "h100", "--gpu_memory_gib", "24", "--data.batch_size", "96",
-              "--max_batch", "false", "--host_ram_gib", "200"]
-    whole = plan([*common, "--trainer.strategy.init_args.layer_micro_batches", "1"], tmp_path)
+              "--host_ram_gib", "200"]
+    whole = plan([*common, "--max_batch", "false", "--trainer.strategy.init_args.layer_micro_batches", "1"], tmp_path)
     assert whole.returncode == 0, whole.stderr[-3000:]
     assert "no plan fits" in whole.stdout and "run each layer in more row slices (layer_micro_batches)" in whole.stdout
     auto = plan(common, tmp_path)
@@ -155,3 +155,5 @@ def test_a_batch_whose_layers_fit_only_in_slices_is_planned_in_slices(tmp_path):
     sliced = re.search(r"graphs kept \d+; each layer in (\d+) row slices \((\d+) rows at most\)", auto.stdout)
     assert sliced and int(sliced.group(1)) > 1 and int(sliced.group(2)) == -(-96 // int(sliced.group(1))), auto.stdout
     assert "no plan fits" not in auto.stdout
+    # the largest batch says its slices: its predicted time is the whole batch's, which small slices may not reach
+    assert re.search(r"largest batch the GPU takes: \d+ in \d+ layer row slices \(predicted", auto.stdout), auto.stdout

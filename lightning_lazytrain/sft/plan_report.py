@@ -73,6 +73,9 @@ def render(answer: dict) -> str:
         out.append(f"largest batch the GPU takes: none found at or below {best['batch']}")
     elif best is not None:
         line = f"largest batch the GPU takes: {best['batch']}"
+        slices = (best["schedule"] or {}).get("micro_batches", 1)
+        if slices > 1:  # the predicted time is the whole batch's: slices this small may run slower
+            line += f" in {slices} layer row slices"
         if best["prediction"] is not None:
             line += f" (predicted {best['prediction']['step_s']:.3g} s/step, {best['model_tflops']:.1f} model-TFLOPS)"
         out.append(line + (" (where the search stops)" if best["batch"] >= MAX_BATCH else ""))
