@@ -18,7 +18,12 @@ import psutil
 from lightning_lazytrain.engine import Schedule, StreamingExecutor
 from lightning_lazytrain.engine.device import device_free_bytes
 from lightning_lazytrain.schedule import InfeasibleScheduleError, Profile, profile_model, solve
-from lightning_lazytrain.schedule.plan_problem import head_grad_sum_bytes, plan_problem, plan_total_bytes
+from lightning_lazytrain.schedule.plan_problem import (
+    head_grad_sum_bytes,
+    plan_problem,
+    plan_total_bytes,
+    run_micro_batches,
+)
 from lightning_lazytrain.units import GIB
 
 log = logging.getLogger(__name__)
@@ -65,7 +70,7 @@ def initial_plan(settings: PlanSettings, num_layers: int) -> Schedule:
         if k < 1:
             raise ValueError(f"schedule={settings.schedule!r}: the interval must be >= 1")
         plan = Schedule.every(num_layers, k, settings.keep_graph_layers)
-        plan.micro_batches = 1 if settings.layer_micro_batches == "auto" else settings.layer_micro_batches
+        plan.micro_batches = run_micro_batches(settings.schedule, settings.layer_micro_batches)
         return plan
     if kind == "json":
         if settings.keep_graph_layers:

@@ -30,16 +30,12 @@ import torch
 from lightning_lazytrain.engine import Schedule, StreamingExecutor
 from lightning_lazytrain.engine.link import measure_link_cuda
 from lightning_lazytrain.planner import PlanSettings, solve_plan, write_plan
-from lightning_lazytrain.resume import ResumeState
+from lightning_lazytrain.resume import ResumeState, covers
 from lightning_lazytrain.schedule import Profile
 
 log = logging.getLogger(__name__)
 GB = 1e9
 SEQ_STEP = 128
-
-
-def covers(planned: tuple[int, int], shape: tuple[int, int]) -> bool:
-    return shape[0] <= planned[0] and shape[1] <= planned[1]
 
 
 def grown_shape(planned: tuple[int, int], shape: tuple[int, int]) -> tuple[int, int]:

@@ -72,6 +72,12 @@ def set_rng_states(states: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
+def covers(planned: tuple[int, int], shape: tuple[int, int]) -> bool:
+    """Whether a plan solved for ``planned`` (rows, length) serves a batch of ``shape``: its bytes only grow with
+    the tokens, so any batch no larger."""
+    return shape[0] <= planned[0] and shape[1] <= planned[1]
+
+
 class ResumeState:
     """The run state that a checkpoint carries beyond Lightning's: written by :meth:`dump`, read by :meth:`load`.
 
@@ -128,7 +134,5 @@ class ResumeState:
         and length at least as large; else the MILP is solved anew)."""
         if self._saved_plan is None:
             return None
-        (rows, seq), plan = self._saved_plan
-        if shape[0] > rows or shape[1] > seq:
-            return None
-        return (rows, seq), Schedule.from_json(plan)
+        saved, plan = self._saved_plan
+        return (saved, Schedule.from_json(plan)) if covers(saved, shape) else None

@@ -29,7 +29,7 @@ from .disk import checkpoint_tier
 from .gpus import GpuSpec
 from .milp import solve
 from .milp_memory import plan_gpu_pieces
-from .plan_problem import head_grad_sum_bytes, plan_problem, plan_total_bytes
+from .plan_problem import head_grad_sum_bytes, plan_problem, plan_total_bytes, run_micro_batches
 from .problem import GIB, ScheduleProblem
 from .profile import Profile
 from .step_time import StepPrediction, predict_step
@@ -170,9 +170,6 @@ def budgets(run: RunSpec, machine: Machine) -> tuple[int, int, int]:
 def problem_for(run: RunSpec, machine: Machine, profile: Profile) -> ScheduleProblem:
     """The problem `planner.solve_plan` would build on ``machine`` for ``profile``."""
     gpu, cpu, nvme = budgets(run, machine)
-    micro = run.layer_micro_batches
-    if micro == "auto" and run.schedule.strip() != "milp":
-        micro = 1  # only the MILP chooses slices, as in the run (`planner.initial_plan`)
     return plan_problem(
         profile,
         gpu,
@@ -185,7 +182,7 @@ def problem_for(run: RunSpec, machine: Machine, profile: Profile) -> SchedulePro
         head_grad_bytes=head_grad_sum_bytes(run.adapter.lm_head),
         max_recompute_span=run.max_recompute_span,
         keep_graph_layers=run.keep_graph_layers,
-        micro_batches=micro,
+        micro_batches=run_micro_batches(run.schedule, run.layer_micro_batches),
     )
 
 

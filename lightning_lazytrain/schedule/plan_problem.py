@@ -43,6 +43,12 @@ def head_grad_sum_bytes(lm_head: torch.nn.Module) -> int:
     return 4 * weight.numel() if weight.requires_grad else 0
 
 
+def run_micro_batches(schedule: str, layer_micro_batches: int | Literal["auto"]) -> int | Literal["auto"]:
+    """The slices a run's layers take: only the MILP chooses them, so ``"auto"`` is 1 for an interval or JSON
+    plan (the strategy's and the forecast's rule)."""
+    return 1 if layer_micro_batches == "auto" and schedule.strip() != "milp" else layer_micro_batches
+
+
 def micro_batch_candidates(rows: int) -> list[int]:
     """1, 2, 4, ... below ``rows``, then ``rows`` (one row a slice); [1] when the batch is not known."""
     out = [1]
