@@ -23,7 +23,7 @@ from lightning_lazytrain.schedule import (
 )
 from lightning_lazytrain.schedule import measure as measure_mod
 from lightning_lazytrain.schedule import profile as profile_mod
-from lightning_lazytrain.schedule.layer_memory import saved_tensor_bytes
+from lightning_lazytrain.schedule.layer_memory import saved_tensor_bytes, unique_numel
 from lightning_lazytrain.schedule.timing import rotary_inputs, time_wall
 
 CPU = torch.device("cpu")
@@ -118,7 +118,7 @@ def test_a_layer_that_does_not_fit_whole_batch_is_profiled_on_fewer_rows_and_sca
     rows, then half again, and scaled: times, graphs and the per-token working set by 8 / 2, the weight
     gradients (the parameter bytes) once."""
     adapter, tried = _adapter("qwen2"), []
-    params = [measure_mod.unique_numel(layer) * 2 for layer in adapter.layers]
+    params = [unique_numel(layer) * 2 for layer in adapter.layers]
 
     def layers(adapter, batch, seq, device, dtype):
         tried.append(batch)
@@ -136,6 +136,11 @@ def test_a_layer_that_does_not_fit_whole_batch_is_profiled_on_fewer_rows_and_sca
     with pytest.raises(torch.OutOfMemoryError):  # not even one row fits: the error stands
         measure_mod.measure_layers_fitting(adapter, 1, SEQ, torch.device("cuda", 0), torch.bfloat16,
                                            measure=lambda *a: layers(adapter, 3, SEQ, None, None))
+    # a frozen layer keeps no weight gradients: its whole working set grows with the rows
+    adapter.layers[0].requires_grad_(False)
+    measured, _ = measure_mod.measure_layers_fitting(adapter, 8, SEQ, torch.device("cuda", 0), torch.bfloat16,
+                                                     measure=layers)
+    assert measured[0].working_bytes == (params[0] + 500) * 4 and measured[1].working_bytes == params[1] + 2000
 
 
 def test_cache_hit_on_second_call(tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from lightning_lazytrain.models.adapter import ModelAdapter, adapter_for
 from lightning_lazytrain.models.fused_kernels import fuse_decoder_kernels
 
-from .layer_memory import unique_numel
+from .layer_memory import rows_scaled_working_bytes, unique_numel
 from .profile import Profile, profile_model
 
 MEASURED_TOKENS = 16384
@@ -55,7 +55,8 @@ def measured_profile(
     ratio = batch / measured_batch
     per_kind = {kind: t * ratio for kind, t in zip(kinds, measured.forward_seconds)}
     rerun = {kind: t * ratio for kind, t in zip(kinds, measured.rerun_seconds)}
-    memory = {kind: (int(g * ratio), int((w - p) * ratio) + p)
+    # the copy is built trainable: its weight gradients are its parameter bytes
+    memory = {kind: (int(g * ratio), rows_scaled_working_bytes(w, p, ratio))
               for kind, g, w, p in zip(kinds, measured.graph_bytes, measured.working_bytes, measured.param_bytes)}
     partial = {kind: (int(g * ratio), t * ratio)
                for kind, g, t in zip(kinds, measured.mlp_graph_bytes, measured.mlp_seconds)}

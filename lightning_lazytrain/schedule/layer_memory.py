@@ -29,6 +29,19 @@ def unique_numel(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
 
 
+def trainable_bytes(module: torch.nn.Module, itemsize: int) -> int:
+    """Bytes of ``module``'s weight gradients in a dtype of ``itemsize``: its trainable parameters, a tied one once
+    (none for a frozen layer)."""
+    return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values() if p.requires_grad) * itemsize
+
+
+def rows_scaled_working_bytes(working_bytes: int, grad_bytes: int, scale: float) -> int:
+    """A layer's working set measured on some rows, carried to ``scale`` times as many: the weight gradients
+    (``grad_bytes``) are there once at any rows, the rest (intermediates, input gradients, the re-run's graph)
+    grows with the rows."""
+    return round(max(0, working_bytes - grad_bytes) * scale) + grad_bytes
+
+
 def _mlp_width(config) -> int:
     """Intermediate features per token: dense MLP, or the routed experts' (top-k) plus a shared expert."""
     experts = getattr(config, "num_experts_per_tok", None)

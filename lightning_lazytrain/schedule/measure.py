@@ -18,7 +18,7 @@ import torch
 from lightning_lazytrain.engine.gradient_only_linear import mlp_output_skipped
 from lightning_lazytrain.models.adapter import ModelAdapter
 
-from .layer_memory import measure_layer_memory, measure_mlp_recompute_graph, unique_numel
+from .layer_memory import measure_layer_memory, measure_mlp_recompute_graph, rows_scaled_working_bytes, trainable_bytes
 from .timing import rotary_inputs, time_cuda
 
 log = logging.getLogger(__name__)
@@ -87,8 +87,8 @@ def measure_layers_fitting(adapter: ModelAdapter, batch: int, seq: int, device: 
     the rows measured.
 
     Scaling: times, graphs and the per-token part of the working set grow with the rows; the working set's
-    weight gradients (the layer's parameter bytes) do not. Times measured on fewer rows are per row no faster, so
-    the scaled times are an upper estimate."""
+    weight gradients (the layer's trainable parameter bytes, none for a frozen layer) do not. Times measured on
+    fewer rows are per row no faster, so the scaled times are an upper estimate."""
     rows = batch
     while True:
         try:
@@ -109,12 +109,12 @@ def measure_layers_fitting(adapter: ModelAdapter, batch: int, seq: int, device: 
     scale, itemsize = batch / rows, torch.empty((), dtype=dtype).element_size()
 
     def scaled(j: int, m: LayerMeasurement) -> LayerMeasurement:
-        params = unique_numel(adapter.layers[j]) * itemsize
         return dataclasses.replace(
             m, forward_seconds=m.forward_seconds * scale, rerun_seconds=m.rerun_seconds * scale,
             mlp_seconds=m.mlp_seconds * scale, graph_bytes=round(m.graph_bytes * scale),
             mlp_graph_bytes=round(m.mlp_graph_bytes * scale),
-            working_bytes=round(max(0, m.working_bytes - params) * scale) + params)
+            working_bytes=rows_scaled_working_bytes(m.working_bytes, trainable_bytes(adapter.layers[j], itemsize),
+                                                    scale))
 
     return {j: scaled(j, m) for j, m in measured.items()}, rows
 
