@@ -124,6 +124,7 @@ def one_run(system: str, shape: str, batch: int, cap: float | None, steps: int, 
                       "gpu_update_launch_s": engine.get("device_update_launch_s", 0.0)},
         "steps_timed": s["steps_timed"], "engine": engine,
         "plan": schedule.counts() if schedule is not None else None,
+        "layer_micro_batches": schedule.micro_batches if schedule is not None else None,
         "kept_graphs": timer.plan.graph_layers if timer.plan is not None else None,
         # the rungs an out-of-memory error in the first steps took (then "plan" is the last rung's)
         "oom_rungs": list(getattr(getattr(run.strategy, "oom_ladder", None), "taken", [])),
