@@ -108,14 +108,19 @@ def solve_plan(settings: PlanSettings, executor: StreamingExecutor, batch: int, 
     try:
         schedule = solve(problem, time_limit=settings.solver_time_limit, mip_gap=settings.solver_mip_gap)
     except InfeasibleScheduleError as exc:
+        notes = []
+        if exc.saved_boundaries and settings.cpu_activation_gib is None:
+            notes.append(f"The CPU budget, {cpu / GIB:.3f} GiB, is a quarter of the {cpu / GIB * 4:.1f} GiB of host "
+                         "RAM available at this batch: cpu_activation_gib sets it")
         held = executor.device_update_held_bytes + executor.device_update_reserve_bytes
-        if total is None or not held:
+        if total is not None and held:
+            notes.append(f"Of the device memory, {held / GIB:.3f} GiB is held for the GPU's share of the optimizer "
+                         f"update ({executor.device_update_held_bytes / GIB:.3f} GiB of masters and states kept or "
+                         "staged there): device_update_states='staged', a lower device_update_share, or "
+                         "device_update_share=0.0 leaves it to the plan")
+        if not notes:
             raise
-        raise InfeasibleScheduleError(
-            f"{exc}. Of the device memory, {held / GIB:.3f} GiB is held for the GPU's share of the optimizer update "
-            f"({executor.device_update_held_bytes / GIB:.3f} GiB of masters and states kept or staged there): "
-            "device_update_states='staged', a lower device_update_share, or device_update_share=0.0 leaves it to "
-            "the plan") from exc
+        raise InfeasibleScheduleError(". ".join([str(exc), *notes]), exc.saved_boundaries) from exc
     schedule.profile = profile  # what it was solved for: a re-plan starts from it
     log.info("lazytrain plan: %s, predicted exposed %.3f s", schedule.counts(), schedule.predicted_exposed_seconds)
     return schedule

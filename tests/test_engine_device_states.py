@@ -240,3 +240,24 @@ def test_a_plan_short_of_device_memory_without_a_device_share_says_nothing_of_it
     with pytest.raises(InfeasibleScheduleError) as err:
         fit(HybridModule(tiny_model("qwen2")), batches(1), LazyTrainStrategy(schedule="milp"), max_steps=1)
     assert "GPU memory short" in str(err.value) and "device_update" not in str(err.value)
+
+
+@pytest.mark.parametrize("cpu_gib", [None, 1e-6])
+def test_boundaries_short_of_the_default_cpu_budget_name_cpu_activation_gib(monkeypatch, cpu_gib):
+    """Every boundary must be saved (span 1) and the GPU budget holds only the two ends: the refusal says where the
+    CPU budget came from and which setting raises it, and says nothing of it when the user set it."""
+    from types import SimpleNamespace
+
+    from lightning_lazytrain import planner
+    from lightning_lazytrain.schedule import InfeasibleScheduleError
+
+    available = 4 << 10
+    monkeypatch.setattr(planner.psutil, "virtual_memory", lambda: SimpleNamespace(available=available))
+    boundary = 2 * 16 * 64 * 4  # batches(1): 2 rows x 16 tokens x hidden 64, fp32 (32-true)
+    strategy = LazyTrainStrategy(schedule="milp", max_recompute_span=1, gpu_activation_gib=2.5 * boundary / 2**30,
+                                 cpu_activation_gib=cpu_gib)
+    with pytest.raises(InfeasibleScheduleError, match="must be saved") as err:
+        fit(HybridModule(tiny_model("qwen2")), batches(1), strategy, max_steps=1)
+    assert err.value.saved_boundaries
+    named = f"is a quarter of the {available / 2**30:.1f} GiB of host RAM available at this batch: cpu_activation_gib"
+    assert (named in str(err.value)) == (cpu_gib is None)

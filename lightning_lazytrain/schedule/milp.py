@@ -42,7 +42,12 @@ log = logging.getLogger(__name__)
 
 
 class InfeasibleScheduleError(ValueError):
-    """No plan fits the budgets; the message names the tier and the shortfall in GiB."""
+    """No plan fits the budgets; the message names the tier and the shortfall in GiB. ``saved_boundaries``: what
+    does not fit is the boundaries that must be saved, so a larger CPU or NVMe budget is a way out."""
+
+    def __init__(self, message: str, saved_boundaries: bool = False) -> None:
+        super().__init__(message)
+        self.saved_boundaries = saved_boundaries
 
 
 def min_stored_bytes(problem: ScheduleProblem) -> tuple[int, list[int]]:
@@ -91,7 +96,7 @@ def precheck(problem: ScheduleProblem) -> None:
             f"{problem.max_recompute_span} at least {need / GIB:.3f} GiB of boundaries must be saved, budgets are "
             f"gpu {problem.gpu_budget_bytes / GIB:.3f} + cpu {problem.cpu_budget_bytes / GIB:.3f} + nvme "
             f"{problem.nvme_budget_bytes / GIB:.3f} GiB; raise the gpu/cpu budget, lower the batch, add a spill dir "
-            f"(nvme budget), or allow a longer max_recompute_span")
+            f"(nvme budget), or allow a longer max_recompute_span", saved_boundaries=True)
 
 
 def _build(p: ScheduleProblem, engine_windows: bool = False) -> pyo.ConcreteModel:
@@ -177,7 +182,7 @@ def solve(problem: ScheduleProblem, time_limit: float = 10.0, mip_gap: float = 0
             f"{problem.gpu_budget_bytes / GIB:.3f} / cpu {problem.cpu_budget_bytes / GIB:.3f} / nvme "
             f"{problem.nvme_budget_bytes / GIB:.3f} GiB activation budgets (at least {need / GIB:.3f} GiB must be "
             f"saved with max_recompute_span={problem.max_recompute_span}); raise a budget, lower the batch or add "
-            f"a spill dir")
+            f"a spill dir", saved_boundaries=True)
     if res.best_feasible_objective is None:
         raise RuntimeError(f"HiGHS found no plan ({tc.name}) within {time_limit} s; raise the time limit")
     opt.load_vars()
