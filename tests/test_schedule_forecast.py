@@ -210,6 +210,20 @@ def test_nothing_fits_says_why():
     assert not f.fits and f.schedule is None and "GPU activation budget short" in f.notes[-1]
 
 
+def test_boundaries_short_of_the_default_cpu_budget_say_where_it_came_from():
+    """The 7B recipe's optimizer at batch 192 under 24 GiB with 118 GiB of host RAM: the run's own pieces leave
+    5.4 GiB, a quarter of it is the CPU budget, and the boundaries do not fit; the note says so and names the
+    setting. With the budget set by hand the note is not added."""
+    run = _run(_meta(Qwen2Config(**QWEN25_7B)))
+    f = forecast(run, _machine(24, host_gib=118), 192, _analytic(run))
+    assert f.schedule is None and "must be saved" in f.notes[0]
+    left = 118 * GIB - f.report.tiers["host"].need
+    assert f.notes[-1] == (f"the CPU budget, {left // 4 / GIB:.3f} GiB, is a quarter of the {left // 4 * 4 / GIB:.1f} "
+                           "GiB of host RAM left after the run's own pieces: cpu_activation_gib sets it")
+    set_by_hand = _run(run.adapter, cpu_activation_gib=1.0)
+    assert len(forecast(set_by_hand, _machine(24, host_gib=118), 192, _analytic(run)).notes) == 1
+
+
 def test_host_shortfall_is_reported_with_the_plan():
     run = _run(_meta(Qwen2Config(**QWEN25_7B)))
     f = forecast(run, _machine(80, host_gib=64), 16, _analytic(run))

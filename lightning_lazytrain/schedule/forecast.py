@@ -27,7 +27,7 @@ from lightning_lazytrain.models.fused_kernels import liger_available
 from .analytic import gpu_layout, model_flops_per_step
 from .disk import checkpoint_tier
 from .gpus import GpuSpec
-from .milp import solve
+from .milp import InfeasibleScheduleError, solve
 from .milp_memory import plan_gpu_pieces
 from .plan_problem import head_grad_sum_bytes, plan_problem, plan_total_bytes, run_micro_batches
 from .problem import GIB, ScheduleProblem
@@ -225,7 +225,12 @@ def forecast(run: RunSpec, machine: Machine, batch: int, profile_for: Callable[[
         problem = problem_for(run, machine, profile)
         schedule = plan(run, problem)
     except (ValueError, RuntimeError) as exc:  # no plan fits (InfeasibleScheduleError), a bad setting, none found
-        return Forecast(batch, _host_report(run, machine), scaling=scaling, notes=[str(exc)])
+        notes = [str(exc)]
+        if isinstance(exc, InfeasibleScheduleError) and exc.saved_boundaries and run.cpu_activation_gib is None:
+            cpu = budgets(run, machine)[1]
+            notes.append(f"the CPU budget, {cpu / GIB:.3f} GiB, is a quarter of the {4 * cpu / GIB:.1f} GiB of host "
+                         "RAM left after the run's own pieces: cpu_activation_gib sets it")
+        return Forecast(batch, _host_report(run, machine), scaling=scaling, notes=notes)
     sizes = dict.fromkeys(("gpu", "cpu", "nvme", "recompute"), 0)
     for a, tier in zip(profile.activation_bytes, schedule.tiers):
         sizes[tier] += a
