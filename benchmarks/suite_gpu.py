@@ -90,7 +90,7 @@ ROWS = [
     # the 24 GiB cap at three times P5's batch: whole-batch layers, then each layer in four row slices
     Row("lazytrain-7b-24g-b96", "p5", "lazytrain-whole-batch", "qwen2.5-7b", (96,), 24.0, 420, 4, 1),
     Row("lazytrain-7b-24g-micro4-b96", "p5", "lazytrain-micro4", "qwen2.5-7b", (96,), 24.0, 480, 4, 1),
-    # the MILP's own choice of slices (layer_micro_batches="auto") at twice that batch under the same cap
+    # the MILP's own choice of slices (layer_micro_batches="auto") at up to twice that batch under the same cap
     Row("lazytrain-7b-24g-auto-max", "p5", "lazytrain", "qwen2.5-7b", (192, 160, 128), 24.0, 540, 4, 1),
 ]
 GROUPS = sorted({r.group for r in ROWS})
