@@ -157,3 +157,34 @@ def test_a_batch_whose_layers_fit_only_in_slices_is_planned_in_slices(tmp_path):
     assert "no plan fits" not in auto.stdout
     # the largest batch says its slices: its predicted time is the whole batch's, which small slices may not reach
     assert re.search(r"largest batch the GPU takes: \d+ in \d+ layer row slices \(predicted", auto.stdout), auto.stdout
+
+
+@pytest.mark.parametrize("proxy", [False, True])
+def test_a_machine_without_a_network_falls_back_without_asking_the_hub(tmp_path, monkeypatch, proxy):
+    """No HF_HUB_OFFLINE, no route to the hub: the hub client would retry for about 25 s; the plan asks it nothing
+    and falls back to the published shape at once. Behind a proxy no direct connection is tried and the hub is
+    asked (here it fails too, and the fallback is the same)."""
+    from lightning_lazytrain.sft import plan_model
+
+    for name in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HF_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    if proxy:
+        monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
+    tried, asked = [], []
+
+    def no_route(address, timeout):
+        tried.append((address, timeout))
+        raise OSError("[Errno -2] Name or service not known")
+
+    def from_pretrained(name, trust_remote_code=False, local_files_only=False):
+        asked.append(local_files_only)
+        raise OSError(f"no config.json for {name}")
+
+    monkeypatch.setattr(plan_model.socket, "create_connection", no_route)
+    monkeypatch.setattr(plan_model.AutoConfig, "from_pretrained", from_pretrained)
+    config, source = model_config("Qwen/Qwen2.5-7B", None)
+    assert config.num_hidden_layers == 28 and source.startswith("published shape 'qwen2.5-7b'")
+    assert tried == ([] if proxy else [(("huggingface.co", 443), 3)])
+    assert asked == ([True, False] if proxy else [True])  # the cache, then the hub only behind the proxy
+    with pytest.raises(ValueError, match="huggingface.co:443 cannot be reached" if not proxy else "no config.json"):
+        model_config("someone/unknown-model", None)

@@ -2,14 +2,17 @@
 
 ``model.model_config`` (a name from `NAMED_SHAPES`, a dict, a config path) is used as given. ``model.pretrained``
 is looked up as a local directory, then in the hub cache, then on the hub (config.json only, unless
-``HF_HUB_OFFLINE`` is set); a recipe model the hub cannot be asked about falls back to its published shape
-(`NAMED_SHAPES`), and the plan says so.
+``HF_HUB_OFFLINE`` is set, or the hub's host cannot be reached: a machine without a network falls back at once
+instead of waiting out the hub client's retries, about 25 s); a recipe model the hub cannot be asked about falls
+back to its published shape (`NAMED_SHAPES`), and the plan says so.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
@@ -26,6 +29,20 @@ def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _hub_unreachable() -> str | None:
+    """Why the hub cannot be asked (no connection to its host within a few seconds), or None. Behind a proxy a
+    direct connection says nothing of the hub, so none is tried."""
+    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    port = url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((url.hostname, port), timeout=3).close()
+    except OSError as exc:
+        return f"{url.hostname}:{port} cannot be reached ({exc})"
+    return None
+
+
 def _pretrained_config(name: str, trust_remote_code: bool) -> tuple[PretrainedConfig, str]:
     path = os.path.expanduser(name)
     if os.path.isdir(path):
@@ -35,19 +52,18 @@ def _pretrained_config(name: str, trust_remote_code: bool) -> tuple[PretrainedCo
         return config, f"{name} (hub cache)"
     except OSError:
         pass
-    error: Exception | None = None
-    if not _offline():
+    error = "HF_HUB_OFFLINE is set" if _offline() else _hub_unreachable()
+    if error is None:
         try:
             return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code), f"{name} (hub)"
         except OSError as exc:
-            error = exc
+            error = str(exc)
     shape = name.rsplit("/", 1)[-1].lower()
     if shape in NAMED_SHAPES:
         return _named(shape), f"published shape {shape!r} (no config.json for {name} in the cache or on the hub)"
     raise ValueError(
-        f"model.pretrained={name!r}: no config.json in a local directory, the hub cache or the hub"
-        + (f" ({error})" if error else " (HF_HUB_OFFLINE is set)")
-        + f"; give a local directory, or --model.pretrained null --model.model_config with one of "
+        f"model.pretrained={name!r}: no config.json in a local directory, the hub cache or the hub ({error})"
+        f"; give a local directory, or --model.pretrained null --model.model_config with one of "
         f"{', '.join(NAMED_SHAPES)}"
     )
 
