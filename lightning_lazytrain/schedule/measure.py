@@ -106,14 +106,14 @@ def measure_layers_fitting(adapter: ModelAdapter, batch: int, seq: int, device: 
         return measured, rows
     log.info("lazytrain: one layer at %d x %d does not fit the device; profiled at %d rows and scaled", batch, seq,
              rows)
-    scale, itemsize = batch / rows, torch.empty((), dtype=dtype).element_size()
+    scale = batch / rows
 
     def scaled(j: int, m: LayerMeasurement) -> LayerMeasurement:
         return dataclasses.replace(
             m, forward_seconds=m.forward_seconds * scale, rerun_seconds=m.rerun_seconds * scale,
             mlp_seconds=m.mlp_seconds * scale, graph_bytes=round(m.graph_bytes * scale),
             mlp_graph_bytes=round(m.mlp_graph_bytes * scale),
-            working_bytes=rows_scaled_working_bytes(m.working_bytes, trainable_bytes(adapter.layers[j], itemsize),
+            working_bytes=rows_scaled_working_bytes(m.working_bytes, trainable_bytes(adapter.layers[j], dtype.itemsize),
                                                     scale))
 
     return {j: scaled(j, m) for j, m in measured.items()}, rows
