@@ -16,13 +16,7 @@ from lightning_lazytrain.optim import HybridAdamW
 FROZEN = ["model.embed_tokens.weight", "model.layers.1.self_attn.q_norm.weight"]
 
 
-class IssueModule(LMModule):
-    def __init__(self, model, **kw) -> None:
-        super().__init__(model, **kw)
-        self.lr = 3e-3
-
-
-class IssueHybridModule(IssueModule):
+class HybridAdamWModule(LMModule):
     def configure_optimizers(self):
         return HybridAdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
 
@@ -40,7 +34,7 @@ def test_frozen_parameters_in_torch_adamw_are_left_alone(accumulate):
     """Before the fix every parameter of a unit that got any gradient had a zero ``.grad``: the frozen embedding
     moved by lr * weight_decay * w each step and AdamW kept a state for it."""
     model, data, recorder = _frozen_model(), batches(3 * accumulate, seq=24), GradRecorder()
-    kw = dict(gradient_clip_val=0.5, accumulate_grad_batches=accumulate, module_cls=IssueModule)
+    kw = dict(gradient_clip_val=0.5, accumulate_grad_batches=accumulate, lr=3e-3)
     ref, _ = train(model, data, callbacks=[recorder], **kw)
     lt, _ = train(model, data, strategy="lazytrain", **kw)
     start, after = model.state_dict(), lt.model.state_dict()
@@ -52,15 +46,15 @@ def test_frozen_parameters_in_torch_adamw_are_left_alone(accumulate):
     assert len(opt.state) == len(ref.trainer.optimizers[0].state)
     assert min(recorder.norms) > 0.5, "every step must be clipped"
     assert rel_diff(ref.model, model) > 1e-3, "the reference run must have moved the weights"
-    assert rel_diff(lt.model, ref.model, recorder.undecided()) <= 1e-6
+    assert rel_diff(lt.model, ref.model, recorder.undecided()) <= 2e-6
 
 
 def test_frozen_parameters_in_hybrid_adamw_are_left_alone():
     """The engine's own update skips them too (its units' ``requires_grad``), against plain HybridAdamW."""
     model, data, recorder = _frozen_model(), batches(3, seq=24), GradRecorder()
-    kw = dict(gradient_clip_val=0.5, module_cls=IssueHybridModule)
+    kw = dict(gradient_clip_val=0.5, module_cls=HybridAdamWModule, lr=3e-3)
     ref, _ = train(model, data, callbacks=[recorder], **kw)
     lt, _ = train(model, data, strategy="lazytrain", **kw)
     start, after = model.state_dict(), lt.model.state_dict()
     assert all(torch.equal(after[name], start[name]) for name in FROZEN)
-    assert rel_diff(lt.model, ref.model, recorder.undecided()) <= 1e-6
+    assert rel_diff(lt.model, ref.model, recorder.undecided()) <= 2e-6
