@@ -98,8 +98,8 @@ class LMModule(pl.LightningModule):
 
 
 def train(model, data, strategy="auto", precision="32-true", max_steps=3, manual=False, clip=None, accelerator="cpu",
-          module_cls=None, **trainer_kw):
-    module = (module_cls or LMModule)(copy.deepcopy(model), manual=manual, clip=clip)
+          module_cls=None, lr=1e-3, **trainer_kw):
+    module = (module_cls or LMModule)(copy.deepcopy(model), lr=lr, manual=manual, clip=clip)
     trainer = pl.Trainer(
         accelerator=accelerator, devices=1, strategy=strategy, precision=precision, max_steps=max_steps,
         logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,

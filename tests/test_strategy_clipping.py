@@ -44,3 +44,21 @@ def test_clipped_hybrid_adamw_matches_plain(family):
     assert min(ref_rec.norms) > CLIP, "every step must be clipped"
     assert all(p.grad is None for p in lt.parameters()), "the engine ran the update"
     assert rel_diff(lt.model, ref.model, ref_rec.undecided()) <= 1e-5
+
+
+@pytest.mark.parametrize("module_cls", [LMModule, HybridAdamWModule], ids=["torch-adamw", "hybrid-adamw"])
+def test_issue_37_moe_setting_matches_plain(module_cls):
+    """Issue 37's setting: 3 layers, lr 3e-3, sequences of 24, three clipped steps. The 1.3e-4 drift reported
+    there is one embedding element whose gradient is rounding-level (1.2e-7 in one run, 2.0e-8 in the other, row
+    max 3.3e-2, measured with model seed 9 and no masked labels): clipped by 0.5 / 2.5 it sits near AdamW's
+    eps = 1e-8, where
+    the step follows the gradient's value instead of its sign, so rounding moves the weight by up to lr. Without
+    such elements (``undecided``) the runs agree to 6e-7."""
+    model, data, recorder = tiny_model("qwen3-moe", num_hidden_layers=3), batches(3, seq=24), GradRecorder()
+    kw = dict(gradient_clip_val=CLIP, module_cls=module_cls, lr=3e-3)
+    ref, _ = train(model, data, callbacks=[recorder], **kw)
+    lt, _ = train(model, data, strategy="lazytrain", **kw)
+    assert min(recorder.norms) > CLIP, "every step must be clipped"
+    skip = recorder.undecided()
+    assert sum(int(m.sum()) for m in skip.values()) <= 0.01 * sum(p.numel() for p in model.parameters())
+    assert rel_diff(lt.model, ref.model, skip) <= 2e-6

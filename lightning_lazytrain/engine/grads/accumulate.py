@@ -1,13 +1,16 @@
 """The host path's gradient sums: one fp32 accumulator per unit, exposed to the optimizer as ``.grad`` views.
 
-Lightning's ``zero_grad`` sets ``.grad`` to None; the first backward after it then overwrites the accumulator
-instead of adding to it, which saves a zeroing pass over 4 bytes per parameter (what no gradient covered is zeroed
-at the end). Under ``bf16-true`` the sum stays fp32 and a master-dtype copy is what ``.grad`` views.
+Lightning's ``zero_grad`` sets ``.grad`` to None; the first gradient of a parameter after it then overwrites its
+part of the accumulator instead of adding to it, which saves a zeroing pass over 4 bytes per parameter. A
+parameter that no backward since then gave a gradient (frozen, or not reached) keeps ``.grad`` None, as in a plain
+run: torch's optimizers skip such a parameter (no weight decay, no state, no step count) where a zero ``.grad``
+would decay it and advance its moments. Under ``bf16-true`` the sum stays fp32 and a master-dtype copy is what
+``.grad`` views.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,7 +21,7 @@ from lightning_lazytrain.engine.weights.layout import ParamUnit
 class _Sum:
     grad: torch.Tensor | None = None  # fp32, the unit's flat layout
     param_grad: torch.Tensor | None = None  # the master-dtype copy ``.grad`` views, when masters are not fp32
-    overwrite: bool = False  # this backward writes instead of adding (``.grad`` was None)
+    fresh: list[bool] = field(default_factory=list)  # per entry: this backward writes instead of adding
 
 
 class HostAccumulators:
@@ -27,50 +30,42 @@ class HostAccumulators:
         self._sums = {unit.index: _Sum() for unit in units}
 
     def begin(self, unit: ParamUnit) -> None:
-        """Called before a unit's gradients of one backward arrive: decide overwrite vs accumulate."""
+        """Called before a unit's gradients of one backward arrive: per entry, overwrite (``.grad`` is None) or
+        accumulate."""
         s = self._sums[unit.index]
         if s.grad is None:
             s.grad = torch.empty(unit.numel, dtype=torch.float32)
             if self.master_dtype != torch.float32:
                 s.param_grad = torch.empty(unit.numel, dtype=self.master_dtype)
-        s.overwrite = any(e.param.grad is None for e in unit.unique)
+        s.fresh = [e.param.grad is None for e in unit.unique]
 
-    def add(self, unit: ParamUnit, offset: int, values: torch.Tensor) -> None:
-        """Add (or write, on the first backward after zero_grad) one gradient segment; runs on a worker thread."""
+    def add(self, unit: ParamUnit, entry: int, offset: int, values: torch.Tensor) -> None:
+        """Add (or write, for the entry's first gradient after zero_grad) one gradient segment of
+        ``unit.unique[entry]`` at ``offset`` of the flat layout; runs on a worker thread."""
         s = self._sums[unit.index]
         target = s.grad[offset : offset + values.numel()]
-        if s.overwrite:
+        if s.fresh[entry]:
             target.copy_(values)
         else:
             target.add_(values)
 
-    def finish(self, unit: ParamUnit, covered: list[tuple[int, int]]) -> None:
-        """After all segments of a backward landed: zero what got no gradient, expose ``.grad`` views."""
+    def finish(self, unit: ParamUnit, covered: set[int]) -> None:
+        """After all segments of a backward landed: expose ``.grad`` views of the entries (indices into
+        ``unit.unique``) that have a gradient, from this backward (``covered``) or an earlier one."""
         s = self._sums[unit.index]
-        if s.overwrite:
-            for start, stop in _uncovered(unit.numel, covered):
-                s.grad[start:stop].zero_()
         grad = s.grad
         if s.param_grad is not None:
             s.param_grad.copy_(grad)
             grad = s.param_grad
-        for entry in unit.unique:
+        for i, (entry, fresh) in enumerate(zip(unit.unique, s.fresh)):
+            if fresh and i not in covered:
+                continue
             view = grad[entry.offset : entry.offset + entry.numel].view(entry.shape)
             if entry.param.grad is None or entry.param.grad.data_ptr() != view.data_ptr():
                 entry.param.grad = view
-        s.overwrite = False
+        s.fresh = []
 
     def held_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for s in self._sums.values() for t in (s.grad, s.param_grad)
-                   if t is not None)
-
-
-def _uncovered(total: int, covered: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    holes, cursor = [], 0
-    for start, stop in sorted(covered):
-        if start > cursor:
-            holes.append((cursor, start))
-        cursor = max(cursor, stop)
-    if cursor < total:
-        holes.append((cursor, total))
-    return holes
+        return sum(
+            t.numel() * t.element_size() for s in self._sums.values() for t in (s.grad, s.param_grad) if t is not None
+        )

@@ -24,7 +24,8 @@ from lightning_lazytrain.engine.weights.store import HostParamStore
 class _Batch:
     staging: torch.Tensor
     used: int = 0
-    segments: list[tuple[ParamUnit, int, int, int]] = field(default_factory=list)
+    # unit, entry (index in unit.unique), destination offset, staging offset, size
+    segments: list[tuple[ParamUnit, int, int, int, int]] = field(default_factory=list)
     keep_alive: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -42,7 +43,7 @@ class GradSink:
         self.queues = queues
         self.timeout_s = timeout_s
         self.sums = HostAccumulators(store.units, store.master_dtype)
-        self._covered: dict[int, list[tuple[int, int]]] = {}
+        self._covered: dict[int, set[int]] = {}  # per unit: the entries this backward gave a gradient
         self._units: dict[int, ParamUnit] = {}
         self._futures: list[Future] = []
         self.d2h_bytes = 0
@@ -57,22 +58,22 @@ class GradSink:
         """Hand over one backward's gradients of ``unit`` (aligned with ``unit.unique``; None = no gradient)."""
         if unit.index not in self._covered:
             self.sums.begin(unit)
-            self._covered[unit.index] = []
+            self._covered[unit.index] = set()
             self._units[unit.index] = unit
         covered = self._covered[unit.index]
         if not self.queues.is_cuda:
-            for entry, grad in zip(unit.unique, grads):
+            for i, (entry, grad) in enumerate(zip(unit.unique, grads)):
                 if grad is not None:
-                    self.sums.add(unit, entry.offset, grad.reshape(-1))
-                    covered.append((entry.offset, entry.offset + entry.numel))
+                    self.sums.add(unit, i, entry.offset, grad.reshape(-1))
+                    covered.add(i)
             return
         ready = self.queues.record()
         d2h = self.queues.d2h
         self.queues.wait(ready, d2h)
-        for entry, grad in zip(unit.unique, grads):
+        for i, (entry, grad) in enumerate(zip(unit.unique, grads)):
             if grad is None:
                 continue
-            covered.append((entry.offset, entry.offset + entry.numel))
+            covered.add(i)
             flat = grad.reshape(-1)
             done = 0
             while done < flat.numel():
@@ -80,7 +81,7 @@ class GradSink:
                 take = min(flat.numel() - done, batch.staging.numel() - batch.used)
                 with self.queues.on(d2h):
                     batch.staging[batch.used : batch.used + take].copy_(flat[done : done + take], non_blocking=True)
-                batch.segments.append((unit, entry.offset + done, batch.used, take))
+                batch.segments.append((unit, i, entry.offset + done, batch.used, take))
                 batch.keep_alive.append(grad)
                 batch.used += take
                 done += take
@@ -113,8 +114,8 @@ class GradSink:
     def _land(self, batch: _Batch, event: torch.cuda.Event) -> None:
         host_wait(event, "a gradient copy to the host", self.timeout_s)
         batch.keep_alive.clear()
-        for unit, dst, src, n in batch.segments:
-            self.sums.add(unit, dst, batch.staging[src : src + n])
+        for unit, entry, dst, src, n in batch.segments:
+            self.sums.add(unit, entry, dst, batch.staging[src : src + n])
         self._free.put(batch.staging)
 
     def flush(self) -> None:
