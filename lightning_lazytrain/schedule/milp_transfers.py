@@ -19,8 +19,8 @@ so that a plan the solver calls hidden is hidden when it runs:
   Linear form, for window w with i < w <= L (L: the head): ``h(i,w) <= A_i * sum_{e<=w} x(i,e)`` (the block from
   i ends at or before w) and ``h(i,w) <= A_i * a(i,w)`` with ``0 <= a(i,w) <= 1 - z_w + x(i,w) + held_{w-1}``
   (``z_L = 1``) and ``a(i,w) <= a(i,w-1) + x(i,w)``: a drops to 0 at the first saved boundary after i's
-  successor that does not end a held layer's block, and stays there. Without any layer that may hold a graph,
-  windows past ``i + 2 * span - 1`` can never hold the reload and get no variable.
+  successor that does not end a held layer's block, and stays there. Windows past ``i + 2 * span - 1 + K`` can
+  never hold the reload and get no variable, K being the most layers that can hold a graph at once (`most_held`).
 * Per part and direction: bytes <= max(0, seconds * bandwidth - mandatory) + slack; the slack is charged at
   1 / bandwidth seconds per byte. PCIe and disk slack of one part are added (an upper estimate).
 """
@@ -35,6 +35,24 @@ from .problem import GIB, ScheduleProblem
 def _cap(m: pyo.ConcreteModel, base: list[float], kept: list[float], w: int):
     """Capacity of part w, lowered where layer w holds a graph from the forward (``m.held``)."""
     return base[w] + (kept[w] - base[w]) * m.held[w] if w in m.held else base[w]
+
+
+def most_held(p: ScheduleProblem, held: list[int]) -> int:
+    """The most layers of ``held`` that can hold a graph at once: each takes at least its smaller graph and (inside)
+    its input boundary out of the GPU activation budget, beside boundaries 0 and L."""
+    a, n = p.activation_bytes, p.num_layers
+    whole, part = p.graph_bytes or [0] * n, p.mlp_graph_bytes or [0] * n
+
+    def least(j: int) -> int:
+        graphs = ([whole[j]] if p.may_keep_graph(j) else []) + ([part[j]] if p.may_recompute_mlp(j) else [])
+        return min(graphs) + (a[j] if 0 < j < n else 0)
+
+    costs = sorted(least(j) for j in held)
+    room, count = p.gpu_budget_bytes - a[0] - a[n], 0
+    while count < len(costs) and costs[count] <= room:
+        room -= costs[count]
+        count += 1
+    return count
 
 
 def add_transfers(m: pyo.ConcreteModel, p: ScheduleProblem, a: list[float], inner: list[int],
@@ -56,9 +74,9 @@ def add_transfers(m: pyo.ConcreteModel, p: ScheduleProblem, a: list[float], inne
 
     moving = [i for i in inner if a[i] > 0]  # zero-byte boundaries never move: no variables
     off_idx = [(i, w) for i in moving for w in range(i, n + 1)]
-    # past held layers a reload may start any number of blocks up; without them, at most two blocks of span
-    far = {i: n if len(m.held) else min(n, i + 2 * span) for i in moving}
-    rel_idx = [(i, w) for i in moving for w in [*range(i + 1, far[i]), n]]
+    # the successor block ends by i + 2 span - 1; each layer holding a graph in between reaches one window further
+    far = min(n, 2 * span + most_held(p, list(m.held)))
+    rel_idx = [(i, w) for i in moving for w in [*range(i + 1, min(n, i + far)), n]]
     m.dc = pyo.Var(off_idx, domain=pyo.NonNegativeReals)
     m.dn = pyo.Var([(i, w) for i, w in off_idx if w < n], domain=pyo.NonNegativeReals)
     m.hc = pyo.Var(rel_idx, domain=pyo.NonNegativeReals)
