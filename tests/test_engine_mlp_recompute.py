@@ -4,7 +4,8 @@ import copy
 
 import pytest
 import torch
-from helpers import batches, rel_diff, tiny_model, train
+from helpers import GradRecorder, LMModule, batches, rel_diff, tiny_model, train
+from test_strategy_dropout import _grad_rel_diff
 
 import lightning_lazytrain  # noqa: F401
 from lightning_lazytrain import LazyTrainStrategy
@@ -35,6 +36,58 @@ def test_mlp_recompute_trains_like_plain_and_all_kept(tmp_path, family):
     # the model is unwrapped again: no instance forward left on any mlp, the same state_dict keys
     assert all("forward" not in layer.mlp.__dict__ for layer in lt.model.model.layers)
     assert list(lt.model.state_dict()) == list(model.state_dict())
+
+
+class _SavedBytes(LMModule):
+    """Counts the distinct storages autograd saves during the forward of the training step (the engine's kept
+    graphs among them); the backward, and the re-runs inside it, are outside the count."""
+
+    saved = 0
+
+    def training_step(self, batch, batch_idx):
+        storages: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = super().training_step(batch, batch_idx)
+        self.saved = sum(storages.values())
+        return loss
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_engine_saves_less_by_the_mlp_intermediates_and_grads_match(tmp_path, micro_batches):
+    """The engine's kept graphs, through the strategy: with layers 0 and 2's MLPs re-run, the forward saves less by
+    their MLP intermediates (gate, up, act(gate), act(gate) * up: four batch x seq x intermediate tensors each;
+    the MLP's input is saved either way, by the checkpoint or by gate/up), and the gradients stay plain
+    Lightning's."""
+    model, data = tiny_model("qwen2"), batches(1, batch=4, padded=True)
+    ref = GradRecorder()
+    train(model, data, max_steps=1, callbacks=[ref])
+    saved = {}
+    for name, mlp in (("off", [False] * 4), ("on", PLAN.mlp_recompute)):
+        path = tmp_path / f"{name}.json"
+        path.write_text(
+            Schedule(
+                tiers=PLAN.tiers, keep_graph=PLAN.keep_graph, mlp_recompute=mlp, micro_batches=micro_batches
+            ).to_json()
+        )
+        recorder = GradRecorder()
+        lt, _ = train(
+            model,
+            data,
+            max_steps=1,
+            strategy=LazyTrainStrategy(schedule=str(path)),
+            module_cls=_SavedBytes,
+            callbacks=[recorder],
+        )
+        saved[name] = lt.saved
+        assert _grad_rel_diff(recorder, ref) <= 1e-6, name
+    rows, seq = data[0]["input_ids"].shape
+    intermediates = 4 * rows * seq * model.config.intermediate_size * model.dtype.itemsize
+    assert saved["off"] - saved["on"] == sum(PLAN.mlp_recompute) * intermediates
 
 
 def _layer_inputs(model, batch: int = 2, seq: int = 16):

@@ -1,60 +1,13 @@
 """The MILP's third per-layer choice, a kept graph whose MLP re-runs (``mlp_recompute``), against brute force.
 
-Reference: every tier assignment x every per-layer choice (re-run, keep the whole graph, keep it with the MLP
-re-run). A partial keep is costed as a whole keep with ``mlp_graph_bytes`` as its graph and ``mlp_seconds`` added
-(its window is a kept layer's, as ``milp_memory.py`` says), by the timeline model of `test_schedule_milp_memory`.
+Reference: `milp_brute_force` over every tier assignment x every per-layer choice (re-run, keep the whole graph,
+keep it with the MLP re-run), transfers placed on the aggregated windows.
 """
 
-import dataclasses
-import itertools
-import random
-
 import pytest
-from test_schedule_milp import GIB
-from test_schedule_milp_memory import gpu_peak, memory_problem, plan_cost
+from milp_brute_force import GIB, NONE, PART, WHOLE, brute_force, choice_of, gpu_peak, mlp_problem, plan_cost
 
 from lightning_lazytrain.schedule import InfeasibleScheduleError, ScheduleProblem, solve
-
-NONE, WHOLE, PART = 0, 1, 2
-
-
-def as_whole(p: ScheduleProblem, choice: tuple[int, ...]) -> ScheduleProblem:
-    """``p`` with each partially kept layer's graph bytes standing in for its whole graph."""
-    graph = [p.mlp_graph_bytes[j] if c == PART else p.graph_bytes[j] for j, c in enumerate(choice)]
-    return dataclasses.replace(p, graph_bytes=graph, mlp_graph_bytes=None, mlp_seconds=None)
-
-
-def choice_cost(p: ScheduleProblem, tiers: list[str], choice: tuple[int, ...]) -> float | None:
-    keep = tuple(c != NONE for c in choice)
-    cost = plan_cost(as_whole(p, choice), tiers, keep)
-    if cost is None or any(choice[j] == PART for j in p.keep_graph_layers):
-        return None
-    return cost + sum(p.mlp_seconds[j] for j, c in enumerate(choice) if c == PART)
-
-
-def brute_force(p: ScheduleProblem):
-    best = None
-    for inner in itertools.product(("gpu", "cpu", "nvme", "recompute"), repeat=p.num_layers - 1):
-        tiers = ["gpu", *inner, "gpu"]
-        for choice in itertools.product((NONE, WHOLE, PART), repeat=p.num_layers):
-            c = choice_cost(p, tiers, choice)
-            if c is not None and (best is None or c < best[0] - 1e-12):
-                best = (c, tiers, choice)
-    return best
-
-
-def mlp_problem(seed: int) -> ScheduleProblem:
-    p = memory_problem(seed)
-    rng = random.Random(2000 + seed)
-    n = p.num_layers
-    # the MLP is most of a layer's graph and a third to a half of its forward
-    part = [g * rng.randint(2, 5) // 10 for g in p.graph_bytes]
-    mu = [f * rng.uniform(0.3, 0.6) for f in p.forward_seconds]
-    return dataclasses.replace(p, mlp_graph_bytes=part, mlp_seconds=mu, keep_graph_layers=p.keep_graph_layers[:n])
-
-
-def _choice(s) -> tuple[int, ...]:
-    return tuple(PART if r else WHOLE if k else NONE for k, r in zip(s.keep_graph, s.mlp_recompute, strict=True))
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -67,9 +20,9 @@ def test_mlp_milp_matches_brute_force(seed):
         return
     s = solve(p, time_limit=30, mip_gap=1e-9)
     assert s.objective == pytest.approx(ref[0], rel=1e-6, abs=1e-9)
-    choice = _choice(s)
-    assert choice_cost(p, s.tiers, choice) == pytest.approx(ref[0], rel=1e-6, abs=1e-9)
-    assert s.info["gpu_bytes"] == gpu_peak(as_whole(p, choice), s.tiers, tuple(c != NONE for c in choice))
+    choice = choice_of(s)
+    assert plan_cost(p, s.tiers, choice) == pytest.approx(ref[0], rel=1e-6, abs=1e-9)
+    assert s.info["gpu_bytes"] == gpu_peak(p, s.tiers, choice)
 
 
 def test_brute_force_mlp_instances_are_not_trivial():
@@ -106,5 +59,5 @@ def test_partial_choice_when_only_partial_graphs_fit(extra, expected):
     p = _two_layers(3 * a + extra)
     ref = brute_force(p)
     s = solve(p, mip_gap=1e-9)
-    assert list(_choice(s)) == list(ref[2]) == expected
+    assert list(choice_of(s)) == list(ref[2]) == expected
     assert s.objective == pytest.approx(ref[0], rel=1e-6, abs=1e-9)

@@ -10,15 +10,17 @@ so that a plan the solver calls hidden is hidden when it runs:
   forward: gradients go back in the backward). A CPU offload may also run during the head; an NVMe one may not,
   since the forward waits for every spill write before the head starts (``ActivationHomes.flush``). NVMe bytes
   also use the disk's write speed in the same forward part.
-* Reload of boundary i, the start of block (i, e): the engine starts it when the block before it in the backward,
-  (e, f), starts, and needs it when (e, f) is done. So it runs in the backward parts of windows e..f-1 only; for
-  e = L (the first block of the backward) it runs during the head, where the forward's end starts it. It shares
-  the H2D link with the backward's weight copy (half of ``param_h2d_bytes[w]``; none for a kept graph). NVMe
-  bytes also use the disk's read speed there.
-  Linear form, for window w with i < w <= L-1: ``h(i,w) <= A_i * sum_{e<=w} x(i,e)`` (the block from i ends at or
-  before w) and ``h(i,w) <= A_i * a(i,w)`` with ``0 <= a(i,w) <= 1 - z_w + x(i,w)`` and ``a(i,w) <= a(i,w-1) +
-  x(i,w)``: a drops to 0 at the first saved boundary after i's successor and stays there, so w must lie in the
-  successor's block. Windows past ``i + 2 * span - 1`` can never hold the reload and get no variable.
+* Reload of boundary i, the start of block (i, e): the engine starts it when the nearest block above it that
+  reads its own input back starts (a layer holding a graph from the forward reads none back), and needs it when
+  the block right above, (e, f), is done. So it runs in the backward parts of the blocks from e up to that one;
+  where every block above holds a graph (or e = L), in those and the head, where the forward's end starts it. It
+  shares the H2D link with the backward's weight copy (half of ``param_h2d_bytes[w]``; none for a kept graph).
+  NVMe bytes also use the disk's read speed there.
+  Linear form, for window w with i < w <= L (L: the head): ``h(i,w) <= A_i * sum_{e<=w} x(i,e)`` (the block from
+  i ends at or before w) and ``h(i,w) <= A_i * a(i,w)`` with ``0 <= a(i,w) <= 1 - z_w + x(i,w) + held_{w-1}``
+  (``z_L = 1``) and ``a(i,w) <= a(i,w-1) + x(i,w)``: a drops to 0 at the first saved boundary after i's
+  successor that does not end a held layer's block, and stays there. Windows past ``i + 2 * span - 1 + K`` can
+  never hold the reload and get no variable, K being the most layers that can hold a graph at once (`most_held`).
 * Per part and direction: bytes <= max(0, seconds * bandwidth - mandatory) + slack; the slack is charged at
   1 / bandwidth seconds per byte. PCIe and disk slack of one part are added (an upper estimate).
 """
@@ -33,6 +35,24 @@ from .problem import GIB, ScheduleProblem
 def _cap(m: pyo.ConcreteModel, base: list[float], kept: list[float], w: int):
     """Capacity of part w, lowered where layer w holds a graph from the forward (``m.held``)."""
     return base[w] + (kept[w] - base[w]) * m.held[w] if w in m.held else base[w]
+
+
+def most_held(p: ScheduleProblem, held: list[int]) -> int:
+    """The most layers of ``held`` that can hold a graph at once: each takes at least its smaller graph and (inside)
+    its input boundary out of the GPU activation budget, beside boundaries 0 and L."""
+    a, n = p.activation_bytes, p.num_layers
+    whole, part = p.graph_bytes or [0] * n, p.mlp_graph_bytes or [0] * n
+
+    def least(j: int) -> int:
+        graphs = ([whole[j]] if p.may_keep_graph(j) else []) + ([part[j]] if p.may_recompute_mlp(j) else [])
+        return min(graphs) + (a[j] if 0 < j < n else 0)
+
+    costs = sorted(least(j) for j in held)
+    room, count = p.gpu_budget_bytes - a[0] - a[n], 0
+    while count < len(costs) and costs[count] <= room:
+        room -= costs[count]
+        count += 1
+    return count
 
 
 def add_transfers(m: pyo.ConcreteModel, p: ScheduleProblem, a: list[float], inner: list[int],
@@ -54,7 +74,9 @@ def add_transfers(m: pyo.ConcreteModel, p: ScheduleProblem, a: list[float], inne
 
     moving = [i for i in inner if a[i] > 0]  # zero-byte boundaries never move: no variables
     off_idx = [(i, w) for i in moving for w in range(i, n + 1)]
-    rel_idx = [(i, w) for i in moving for w in [*range(i + 1, min(n, i + 2 * span)), n]]
+    # the successor block ends by i + 2 span - 1; each layer holding a graph in between reaches one window further
+    far = min(n, 2 * span + most_held(p, list(m.held)))
+    rel_idx = [(i, w) for i in moving for w in [*range(i + 1, min(n, i + far)), n]]
     m.dc = pyo.Var(off_idx, domain=pyo.NonNegativeReals)
     m.dn = pyo.Var([(i, w) for i, w in off_idx if w < n], domain=pyo.NonNegativeReals)
     m.hc = pyo.Var(rel_idx, domain=pyo.NonNegativeReals)
@@ -75,21 +97,27 @@ def add_transfers(m: pyo.ConcreteModel, p: ScheduleProblem, a: list[float], inne
     m.rel_n = pyo.Constraint(moving, rule=lambda m, i: qs(m.hn[i, w] for w in rel_w[i]) == a[i] * m.n[i])
 
     def z(b: int):
-        return m.g[b] + m.c[b] + m.n[b]
+        return m.g[b] + m.c[b] + m.n[b] if b < n else 1
 
     def x(i: int, b: int):
         return m.x[i, b] if b in out_e[i] else 0
 
-    # the head holds only the reload of the first backward block's start (block (i, L))
+    def held(j: int):
+        return m.held[j] if j in m.held else 0
+
+    def before(i: int, w: int):
+        """a(i, w - 1), 0 where w - 1 has no variable (past the reach, or boundary i itself)."""
+        return m.a[i, w - 1] if (i, w - 1) in m.a else 0
+
     m.rel_after = pyo.Constraint(rel_idx, rule=lambda m, i, w: m.hc[i, w] + m.hn[i, w]
-                                 <= a[i] * (qs(m.x[i, e] for e in out_e[i] if e <= w) if w < n else x(i, n)))
-    # a(i, w) <= 1 while no boundary after i's successor is saved at or before w (reset where w is the successor)
-    reach = [(i, w) for i, w in rel_idx if w < n]
-    m.a = pyo.Var(reach, bounds=(0, 1))
-    m.a_new = pyo.Constraint(reach, rule=lambda m, i, w: m.a[i, w] <= 1 - z(w) + x(i, w))
-    m.a_carry = pyo.Constraint([(i, w) for i, w in reach if w > i + 1],
-                               rule=lambda m, i, w: m.a[i, w] <= m.a[i, w - 1] + x(i, w))
-    m.rel_block = pyo.Constraint(reach, rule=lambda m, i, w: m.hc[i, w] + m.hn[i, w] <= a[i] * m.a[i, w])
+                                 <= a[i] * qs(m.x[i, e] for e in out_e[i] if e <= w))
+    # a(i, w) <= 1 while every boundary saved after i's successor, up to w, ends a held layer's block (reset where
+    # w is the successor)
+    m.a = pyo.Var(rel_idx, bounds=(0, 1))
+    m.a_new = pyo.Constraint(rel_idx, rule=lambda m, i, w: m.a[i, w] <= 1 - z(w) + x(i, w) + held(w - 1))
+    m.a_carry = pyo.Constraint([(i, w) for i, w in rel_idx if w > i + 1],
+                               rule=lambda m, i, w: m.a[i, w] <= before(i, w) + x(i, w))
+    m.rel_block = pyo.Constraint(rel_idx, rule=lambda m, i, w: m.hc[i, w] + m.hn[i, w] <= a[i] * m.a[i, w])
     m.capD = pyo.Constraint(wins, rule=lambda m, w: qs(m.dc[i, w] + dn(i, w) for i in by_w_off[w])
                             <= free_d[w] + m.sD[w])
     m.capW = pyo.Constraint(wins, rule=lambda m, w: qs(dn(i, w) for i in by_w_off[w]) <= cap_w[w] + m.sW[w])

@@ -3,10 +3,10 @@
 Window w is layer w's forward and backward together (``window_seconds[w]``), window L the head. Offloads of
 boundary i go in windows i..L, reloads in windows w >= e for its block (i, e), or the head; per window and
 direction the bytes above ``max(0, W_w * bandwidth - mandatory)`` are slack, charged at 1 / bandwidth. This is
-looser than what the engine runs (a reload starts one block ahead; spill writes end with the forward), so it can
-call a plan hidden that stalls: ``milp_transfers.py`` has the engine's rules, which `exposure.py` uses to predict a
-plan's stall and ``solve(engine_windows=True)`` solves with; they solve slower (issue 16: the 27B 64-layer
-benchmark case ends at 8% gap in 10 s), so they are not the default yet.
+looser than what the engine runs (a reload starts with the nearest block above that reads its input back; spill
+writes end with the forward), so it can call a plan hidden that stalls: ``milp_transfers.py`` has the engine's
+rules, which `exposure.py` uses to predict a plan's stall and ``solve(engine_windows=True)`` solves with; they
+solve slower (issue 16: the 27B 64-layer benchmark case ends at 8% gap in 10 s), so they are not the default yet.
 """
 
 from __future__ import annotations
