@@ -134,7 +134,7 @@ def build_model(
     cache_dir: str | None = None,
     local_files_only: bool = False,
 ) -> PreTrainedModel:
-    """An HF causal LM from weights (hub name or local dir) or, for random-init runs, from a config.
+    """An HF causal LM in training mode, from weights (hub name or local dir) or, for random-init runs, a config.
 
     ``model_config`` is a dict with ``model_type`` and config fields, a name in :data:`NAMED_SHAPES`, or a config
     path/hub name. ``revision``, ``cache_dir`` and ``local_files_only`` apply to hub names (the module docstring).
@@ -145,11 +145,14 @@ def build_model(
         path, hub = _source(pretrained, revision, cache_dir, local_files_only)
         try:
             # on a machine's other ranks under lazytrain this reads the config only (node_load.py)
-            return load_pretrained(
+            model = load_pretrained(
                 path, dtype=_torch_dtype(dtype) or "auto", trust_remote_code=trust_remote_code, **hub, **attn
             )
         except OSError as exc:
             raise OSError(f"model.pretrained {pretrained!r}{_where(hub)} cannot be loaded: {exc}") from exc
+        # from_pretrained returns the model in eval mode and Lightning keeps the mode it finds at fit start: left
+        # so, dropout would be off in training (and the meta-built copies of other ranks, made by from_config, on)
+        return model.train()
     if isinstance(model_config, str) and model_config.lower() in NAMED_SHAPES:
         model_config = dict(NAMED_SHAPES[model_config.lower()])
     if isinstance(model_config, dict):
