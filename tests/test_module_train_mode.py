@@ -39,8 +39,16 @@ def _fit(pretrained_dir: str, strategy: str, seed: int) -> tuple[ModeRecordingMo
     import lightning.pytorch as pl
 
     module = ModeRecordingModule(pretrained=pretrained_dir, max_generate_samples=0, lr=1e-3)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=3, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=3,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     torch.manual_seed(seed)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
