@@ -2,7 +2,8 @@
 
 ``lazytrain fit --config demo`` trains; ``validate``/``test``/``predict`` evaluate; ``--print_config`` shows the
 merged config. ``--config`` takes a file or the name of a shipped recipe (``lazytrain recipes`` lists them); with a
-subcommand but no ``--config`` the demo recipe is used, so ``lazytrain fit`` alone runs the CPU demo. Commands of
+subcommand but no ``--config`` the demo recipe is used, so ``lazytrain fit`` alone runs the CPU demo. A model
+source named on the command line replaces the config's other one (`with_one_model_source`). Commands of
 our own beside LightningCLI's are dispatched from `COMMANDS`: ``plan`` says whether the config fits and how fast
 it steps, loading nothing (`plan_command`); ``recipes`` lists the shipped recipes.
 
@@ -51,6 +52,8 @@ COMMANDS = {
     "recipes": ("lightning_lazytrain.sft.recipes:main", False),
 }
 _SUBCOMMANDS = ("fit", "validate", "test", "predict")
+# the two ways of naming the model (`check_source`: exactly one of them)
+_MODEL_SOURCES = ("--model.pretrained", "--model.model_config")
 # config sections holding a class's arguments; the parser silently skips one that is a number, bool or list
 _GROUPS = ("model", "data", "trainer")
 
@@ -153,6 +156,29 @@ def _with_default_config(args: list[str]) -> list[str]:
     return args
 
 
+def with_one_model_source(args: list[str]) -> list[str]:
+    """``args`` where a model source named on the command line replaces the config's other one.
+
+    ``--model.pretrained DIR`` on a random-init recipe (the demo) means that model, not the recipe's shape, and
+    ``--model.model_config NAME`` on a recipe of weights a random-init run: the other source becomes null right
+    after it (a later ``--config`` can still set it). Both named (not null) stays the module's error.
+    """
+    named: dict[str, tuple[int, str]] = {}  # flag -> (index of the last argument it takes, its value)
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if flag in _MODEL_SOURCES and eq:
+            named[flag] = (i, value)
+        elif arg in _MODEL_SOURCES and i + 1 < len(args):
+            named[arg] = (i + 1, args[i + 1])
+    if len(named) != 1:
+        return args
+    ((flag, (last, value)),) = named.items()
+    if value.strip().lower() in ("null", "none"):
+        return args
+    (other,) = (f for f in _MODEL_SOURCES if f != flag)
+    return [*args[: last + 1], other, "null", *args[last + 1 :]]
+
+
 def _config_paths(args: list[str]) -> Iterator[str]:
     for i, arg in enumerate(args):
         if arg in ("--config", "-c") and i + 1 < len(args):
@@ -203,6 +229,7 @@ def main(args: list[str] | None = None) -> int:
     ``--help``/``--print_config`` end the process by ``SystemExit`` with its status (2, or 0).
     """
     argv = _with_default_config(resolve_config_args(list(sys.argv[1:] if args is None else args)))
+    argv = with_one_model_source(argv)
     prefer_expandable_segments()  # read when CUDA's caching allocator starts: before anything touches the GPU
     problem = config_problem(argv)
     if problem:
