@@ -11,12 +11,14 @@ Exit status: 0 when the subcommand finished, 2 for a usage or config error, 1 wh
 Bad input ends the process with a message, not a traceback: unknown keys and wrong types are refused by the config
 parser, the data settings and path are checked before the model is built, an error while building the model,
 datamodule or trainer from the config is reported as a config error, and a bad data file found at setup (a
-``DataError``) too. A failure during the run prints its traceback, then a one-line summary.
+``DataError``) too; a run refused at setup removes the log directory it made and left empty. A failure during the
+run prints its traceback, then a one-line summary.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import traceback
 import warnings
@@ -130,11 +132,29 @@ class LazyTrainCLI(LightningCLI):
             kwargs.setdefault("callbacks", [*callbacks, MaxStepsProgressBar()])
         return super().instantiate_trainer(**kwargs)
 
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        except BaseException:
+            # a run refused at setup (bad data) made its logger's directory and wrote nothing into it
+            remove_empty_log_dirs(self.trainer)
+            raise
+
     def after_fit(self) -> None:
         config = self.config[self.subcommand]
         if config.get("export_dir") and self.trainer.is_global_zero:
             export_hf(self.model.model, config["export_dir"], tokenizer=self.model.tokenizer,
                       dtype=config.get("export_dtype"))
+
+
+def remove_empty_log_dirs(trainer: Trainer) -> None:
+    """Remove each logger's run directory (``lightning_logs/version_N``) that exists and holds nothing, and then
+    ``lightning_logs`` too if that leaves it empty."""
+    for logger in trainer.loggers:
+        path = getattr(logger, "log_dir", None)
+        for folder in (path, os.path.dirname(path)) if path else ():
+            if os.path.isdir(folder) and not os.listdir(folder):
+                os.rmdir(folder)
 
 
 def _check_logger_installed(logger: object) -> None:
