@@ -13,9 +13,10 @@ import os
 from typing import Any, Literal
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from lightning_lazytrain.node_load import load_pretrained
+from lightning_lazytrain.sft.data.errors import DataSettingError
 
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -116,6 +117,34 @@ def _where(hub: dict[str, Any]) -> str:
     if hub.get("local_files_only"):
         words.append("local files only")
     return " (" + ", ".join(words) + ")"
+
+
+def position_limit(config: PretrainedConfig) -> int | None:
+    """The longest sequence the model's positions cover: ``max_position_embeddings``, raised by a RoPE scaling
+    ``factor`` (over ``original_max_position_embeddings`` where given: YaRN, Llama 3); None when not stated."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return None
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    factor = rope.get("factor") if isinstance(rope, dict) else None
+    if isinstance(factor, (int, float)) and factor > 1:
+        original = rope.get("original_max_position_embeddings") or limit
+        limit = max(limit, int(original * factor))
+    return limit
+
+
+def check_sequence_length(config: PretrainedConfig, max_seq_length: int, source: str) -> None:
+    """Refuse a ``max_seq_length`` past the model's positions (`position_limit`): a RoPE model runs them untrained
+    for those positions and one of learned positions fails. ``source`` names the model in the message."""
+    limit = position_limit(config)
+    if limit is not None and max_seq_length > limit:
+        raise DataSettingError(
+            "data.max_seq_length",
+            f"{max_seq_length} is longer than the {limit} positions of the model ({source}: max_position_embeddings"
+            f"={config.max_position_embeddings})",
+            f"Lower data.max_seq_length to {limit} or less, or give the model more positions (for a random-init"
+            " model: model.model_config.max_position_embeddings)",
+        )
 
 
 def check_source(pretrained: str | None, model_config: dict[str, Any] | str | None) -> None:

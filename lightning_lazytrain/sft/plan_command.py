@@ -30,7 +30,9 @@ from lightning_lazytrain.schedule.disk import checkpoints_kept, free_bytes
 from lightning_lazytrain.schedule.forecast import Forecast, Machine, RunSpec, forecast
 from lightning_lazytrain.schedule.gpus import GPUS, GpuSpec, gpu_spec, spec_for_device
 from lightning_lazytrain.sft.cli import ConfigError, LazyTrainCLI
+from lightning_lazytrain.sft.data.errors import DataSettingError
 from lightning_lazytrain.sft.data.sft import SFTDataModule
+from lightning_lazytrain.sft.model_loading import check_sequence_length
 from lightning_lazytrain.sft.module import CausalLMModule
 from lightning_lazytrain.sft.plan_model import meta_model, model_config
 from lightning_lazytrain.sft.plan_report import render
@@ -191,6 +193,11 @@ def _plan(cli: PlanCLI) -> dict:
         adapter = adapter_for(meta_model(config, bool(model_cfg.get("trust_remote_code"))))
     except (ValueError, OSError, UnsupportedModelError) as exc:
         raise ConfigError(f"the model cannot be planned: {exc}") from exc
+    seq = int(data.get("max_seq_length") or 1024)
+    try:
+        check_sequence_length(config, seq, source)
+    except DataSettingError as exc:
+        raise ConfigError(str(exc)) from None
     strategy = _strategy_args(trainer)
     world = _devices(trainer) * int(trainer.get("num_nodes") or 1)
     known = set(RunSpec.__dataclass_fields__) - {
@@ -206,7 +213,7 @@ def _plan(cli: PlanCLI) -> dict:
     }
     run = RunSpec(
         adapter,
-        int(data.get("max_seq_length") or 1024),
+        seq,
         str(trainer.get("precision") or "32-true"),
         _state_bytes(model_cfg),
         int(trainer.get("accumulate_grad_batches") or 1) > 1,
