@@ -17,6 +17,7 @@ run prints its traceback, then a one-line summary.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
@@ -136,7 +137,8 @@ class LazyTrainCLI(LightningCLI):
         try:
             super()._run_subcommand(subcommand)
         except BaseException:
-            # a run refused at setup (bad data) made its logger's directory and wrote nothing into it
+            # a run refused at setup (bad data) made its logger's directory and wrote nothing into it: no trace of
+            # the refused run is kept (a directory with a file in it stays)
             remove_empty_log_dirs(self.trainer)
             raise
 
@@ -153,8 +155,9 @@ def remove_empty_log_dirs(trainer: Trainer) -> None:
     for logger in trainer.loggers:
         path = getattr(logger, "log_dir", None)
         for folder in (path, os.path.dirname(path)) if path else ():
-            if os.path.isdir(folder) and not os.listdir(folder):
-                os.rmdir(folder)
+            with contextlib.suppress(OSError):  # another process wrote there meanwhile: keep it
+                if os.path.isdir(folder) and not os.listdir(folder):
+                    os.rmdir(folder)
 
 
 def _check_logger_installed(logger: object) -> None:
