@@ -59,8 +59,10 @@ def cpu_machine(run: RunSpec, host_available_bytes: int, accelerator: object) ->
     name = platform.processor() or platform.machine()
     spec = GpuSpec("cpu", f"{name}, {os.cpu_count()} cores, the host RAM", host_available_bytes, 0.0, 5)
     timed = replace(spec, bf16_tflops=flops / 1e12)
-    scaling = (f"analytic: layer FLOPs at {ACHIEVED_FRACTION:.2f} of the {flops / 1e9:.0f} GFLOP/s a {CPU_SIDE}^2 "
-               f"fp32 matmul reached on this CPU; copies at its {copy / 1e9:.1f} GB/s memory copy rate")
+    scaling = (
+        f"analytic: layer FLOPs at {ACHIEVED_FRACTION:.2f} of the {flops / 1e9:.0f} GFLOP/s a {CPU_SIDE}^2 "
+        f"fp32 matmul reached on this CPU; copies at its {copy / 1e9:.1f} GB/s memory copy rate"
+    )
 
     def profile_for(batch: int) -> Profile:
         profile = analytic_profile(run.adapter, batch, run.seq, timed, run.stream_dtype, fused=run.kernels_fused)
@@ -77,8 +79,10 @@ def gpu_machine(gpu_name: str | None, run: RunSpec) -> tuple[GpuSpec, ProfileFor
     here = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     measured_spec = spec_for_device(here) if here else None
     if gpu_name is None and here is None:
-        raise ValueError(f"trainer.accelerator asks for a GPU and there is no CUDA device here: name the GPU to plan"
-                         f" for with --gpu ({', '.join(GPUS)}), or plan the CPU with --trainer.accelerator cpu")
+        raise ValueError(
+            f"trainer.accelerator asks for a GPU and there is no CUDA device here: name the GPU to plan"
+            f" for with --gpu ({', '.join(GPUS)}), or plan the CPU with --trainer.accelerator cpu"
+        )
     if gpu_name is None:
         total = torch.cuda.get_device_properties(0).total_memory
         spec = GpuSpec("this GPU", here, total, measured_spec.bf16_tflops if measured_spec else 0.0, 5)
@@ -89,12 +93,16 @@ def gpu_machine(gpu_name: str | None, run: RunSpec) -> tuple[GpuSpec, ProfileFor
             return spec, lambda b: _measured(run, b), f"--gpu {spec.name}, measured here"
         ratio_from = measured_spec.bf16_tflops
         return spec, lambda b: scale_profile(_measured(run, b), ratio_from, spec), f"--gpu {spec.name}"
-    return (spec, lambda b: analytic_profile(run.adapter, b, run.seq, spec, run.stream_dtype, fused=run.kernels_fused),
-            f"--gpu {spec.name}")
+    return (
+        spec,
+        lambda b: analytic_profile(run.adapter, b, run.seq, spec, run.stream_dtype, fused=run.kernels_fused),
+        f"--gpu {spec.name}",
+    )
 
 
 def _measured(run: RunSpec, batch: int) -> Profile:
     from lightning_lazytrain.schedule.device_profile import measured_profile
 
-    return measured_profile(run.adapter, batch, run.seq, torch.device("cuda", 0), run.stream_dtype,
-                            fused=run.kernels_fused)
+    return measured_profile(
+        run.adapter, batch, run.seq, torch.device("cuda", 0), run.stream_dtype, fused=run.kernels_fused
+    )
