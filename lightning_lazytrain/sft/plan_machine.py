@@ -60,7 +60,7 @@ def cpu_machine(run: RunSpec, host_available_bytes: int, accelerator: object) ->
     spec = GpuSpec("cpu", f"{name}, {os.cpu_count()} cores, the host RAM", host_available_bytes, 0.0, 5)
     timed = replace(spec, bf16_tflops=flops / 1e12)
     scaling = (
-        f"analytic: layer FLOPs at {ACHIEVED_FRACTION:.2f} of the {flops / 1e9:.0f} GFLOP/s a {CPU_SIDE}^2 "
+        f"analytic: layer FLOPs at {ACHIEVED_FRACTION:.2f} of the {flops / 1e9:.4g} GFLOP/s a {CPU_SIDE}^2 "
         f"fp32 matmul reached on this CPU; copies at its {copy / 1e9:.1f} GB/s memory copy rate"
     )
 
