@@ -68,3 +68,15 @@ def test_a_failed_run_exits_1_with_its_traceback_and_a_summary(tmp_path):
     assert "Traceback" in proc.stderr and 'run_faults.py", line' in proc.stderr
     assert proc.stderr.rstrip().splitlines()[-1] == (
         "lazytrain: error: the run failed: RuntimeError: injected failure at step 1")
+
+
+def test_a_refused_data_file_leaves_no_empty_log_directory(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"query": "1 + 1?"}\n')
+    (tmp_path / "runs" / "lightning_logs" / "version_0").mkdir(parents=True)
+    (tmp_path / "runs" / "lightning_logs" / "version_0" / "metrics.csv").write_text("step\n")  # an earlier run's
+    proc = lazytrain(["fit", "--config", str(DEMO_RECIPE), "--data.data_path", "bad.jsonl",
+                      "--trainer.logger.init_args.save_dir", "runs"], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "bad.jsonl:1 field 'response': missing" in proc.stderr.splitlines()[-1]
+    assert sorted(p.name for p in (tmp_path / "runs" / "lightning_logs").iterdir()) == ["version_0"]
+    assert [p.name for p in (tmp_path / "runs" / "lightning_logs" / "version_0").iterdir()] == ["metrics.csv"]

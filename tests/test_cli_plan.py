@@ -54,11 +54,11 @@ def test_an_unknown_gpu_is_a_usage_error(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU here, the plan is for it (see the gpu test)")
-def test_no_gpu_here_and_none_named_is_a_usage_error(tmp_path):
-    proc = plan(["--config", str(RECIPE_7B)], tmp_path)
-    assert (
-        proc.returncode == 2 and "no CUDA device here: name the GPU to plan for with --gpu (h200, h100" in proc.stderr
-    )
+def test_a_gpu_recipe_with_no_gpu_here_and_none_named_is_a_usage_error(tmp_path):
+    proc = plan(["--config", str(RECIPE_7B)], tmp_path)  # its trainer.accelerator is gpu (a CPU run: test_cli_plan_cpu)
+    assert proc.returncode == 2, proc.stderr
+    assert "no CUDA device here: name the GPU to plan for with --gpu (h200, h100" in proc.stderr
+    assert "or plan the CPU with --trainer.accelerator cpu" in proc.stderr
 
 
 def test_json_answer_follows_the_overrides(tmp_path):

@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_lazytrain.sft.progress import MaxStepsProgressBar, last_epoch_index
+from lightning_lazytrain.sft.progress import MaxStepsProgressBar, epoch_batch_total, last_epoch_index
 
 
 class Linear(pl.LightningModule):
@@ -47,3 +47,40 @@ def test_rendered_bar_shows_the_last_epoch(max_steps, max_epochs, titles):
     trainer.fit(Linear(), data)
     assert [task.description.strip() for task in bar.progress.tasks] == titles
     assert titles[-1] in screen.getvalue() and "/-" not in screen.getvalue()
+
+
+@pytest.mark.parametrize(("done", "batches", "max_steps", "step", "accumulate", "total"), [
+    (0, 132, 300, 0, 1, 132),      # the demo's first epoch: every batch
+    (0, 132, 300, 264, 1, 36),     # its third: the 36 steps left
+    (4, 8, 5, 4, 1, 5),            # resumed at step 4 of 5 in an 8-batch epoch: it ends after batch 5
+    (1, 8, 5, 0, 2, 8),            # 10 batches left from 1 (one waiting to step): the epoch's 8
+    (1, 20, 5, 0, 2, 10),          # ... in a 20-batch epoch: 10
+    (0, 8, -1, 3, 1, 8),           # no step bound
+    (0, math.inf, 5, 0, 1, 5),     # an endless loader
+])
+def test_epoch_batch_total(done, batches, max_steps, step, accumulate, total):
+    assert epoch_batch_total(done, batches, max_steps, step, accumulate) == total
+
+
+@pytest.mark.parametrize(("max_steps", "accumulate", "bars"), [
+    (5, 1, [("Epoch 0/0", 5, 5)]), (12, 1, [("Epoch 1/1", 4, 4)]), (5, 2, [("Epoch 1/1", 2, 2)])])
+def test_resumed_bar_counts_to_its_total(tmp_path, max_steps, accumulate, bars):
+    """Resumed from the step-3 save of an 8-batch epoch; Lightning's bar read 5/1 for max_steps=5."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 2)), batch_size=2)
+
+    def fit(steps, callbacks, ckpt=None, accumulate=1):
+        trainer = pl.Trainer(accelerator="cpu", max_steps=steps, callbacks=callbacks, logger=False,
+                             enable_model_summary=False, accumulate_grad_batches=accumulate,
+                             default_root_dir=tmp_path)
+        trainer.fit(Linear(), data, ckpt_path=ckpt)
+
+    fit(3, [MaxStepsProgressBar(), ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, filename="step3")],
+        accumulate=accumulate)
+    screen = io.StringIO()
+    bar = MaxStepsProgressBar(console_kwargs={"file": screen, "force_terminal": False, "width": 160})
+    fit(max_steps, [bar], ckpt=str(tmp_path / "step3.ckpt"), accumulate=accumulate)
+    assert [(t.description.strip(), t.completed, t.total) for t in bar.progress.tasks] == bars
+    last = bars[-1]
+    assert f"{last[1]}/{last[2]}" in screen.getvalue()

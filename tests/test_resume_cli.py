@@ -4,6 +4,7 @@ step 3 (its newest save is step 2) and is resumed ends with the weights and opti
 import csv
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -89,3 +90,15 @@ def test_fit_from_a_weights_only_checkpoint_is_refused_with_exit_2(tmp_path):
     assert last.startswith(f"lazytrain: error: {tmp_path / 'checkpoints' / 'last.ckpt'} (a link to {saved})"), last
     assert "is a weights-only checkpoint" in last and "save_weights_only: false" in last
     assert not (tmp_path / "checkpoints" / "epoch=0-step=4.ckpt").exists(), "refused before any training step"
+
+
+def test_the_resumed_runs_progress_bar_counts_to_its_total(tmp_path):
+    """The resumed process starts at batch 3 of an 11-batch epoch and stops after step 6: the bar ends at 6/6
+    (Lightning's own total was the 3 steps left from the resumed batch: 6/3)."""
+    assert _lazytrain(tmp_path, crash_at=3) == 1
+    args = _args(tmp_path)
+    args[args.index("--trainer.enable_progress_bar") + 1] = "true"
+    proc = lazytrain([*args, "--ckpt_path", "last"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = re.findall(r"Epoch 0/0 .*? (\d+)/(\d+) ", proc.stdout)
+    assert counts and counts[-1] == ("6", "6"), proc.stdout[-2000:]

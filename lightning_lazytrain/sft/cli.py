@@ -2,7 +2,8 @@
 
 ``lazytrain fit --config demo`` trains; ``validate``/``test``/``predict`` evaluate; ``--print_config`` shows the
 merged config. ``--config`` takes a file or the name of a shipped recipe (``lazytrain recipes`` lists them); with a
-subcommand but no ``--config`` the demo recipe is used, so ``lazytrain fit`` alone runs the CPU demo. Commands of
+subcommand but no ``--config`` the demo recipe is used, so ``lazytrain fit`` alone runs the CPU demo. A model
+source named on the command line replaces the config's other one (`with_one_model_source`). Commands of
 our own beside LightningCLI's are dispatched from `COMMANDS`: ``plan`` says whether the config fits and how fast
 it steps, loading nothing (`plan_command`); ``recipes`` lists the shipped recipes.
 
@@ -10,12 +11,15 @@ Exit status: 0 when the subcommand finished, 2 for a usage or config error, 1 wh
 Bad input ends the process with a message, not a traceback: unknown keys and wrong types are refused by the config
 parser, the data settings and path are checked before the model is built, an error while building the model,
 datamodule or trainer from the config is reported as a config error, and a bad data file found at setup (a
-``DataError``) too. A failure during the run prints its traceback, then a one-line summary.
+``DataError``) too; a run refused at setup removes the log directory it made and left empty. A failure during the
+run prints its traceback, then a one-line summary.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
 import sys
 import traceback
 import warnings
@@ -51,6 +55,8 @@ COMMANDS = {
     "recipes": ("lightning_lazytrain.sft.recipes:main", False),
 }
 _SUBCOMMANDS = ("fit", "validate", "test", "predict")
+# the two ways of naming the model (`check_source`: exactly one of them)
+_MODEL_SOURCES = ("--model.pretrained", "--model.model_config")
 # config sections holding a class's arguments; the parser silently skips one that is a number, bool or list
 _GROUPS = ("model", "data", "trainer")
 
@@ -127,11 +133,31 @@ class LazyTrainCLI(LightningCLI):
             kwargs.setdefault("callbacks", [*callbacks, MaxStepsProgressBar()])
         return super().instantiate_trainer(**kwargs)
 
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        except BaseException:
+            # a run refused at setup (bad data) made its logger's directory and wrote nothing into it: no trace of
+            # the refused run is kept (a directory with a file in it stays)
+            remove_empty_log_dirs(self.trainer)
+            raise
+
     def after_fit(self) -> None:
         config = self.config[self.subcommand]
         if config.get("export_dir") and self.trainer.is_global_zero:
             export_hf(self.model.model, config["export_dir"], tokenizer=self.model.tokenizer,
                       dtype=config.get("export_dtype"))
+
+
+def remove_empty_log_dirs(trainer: Trainer) -> None:
+    """Remove each logger's run directory (``lightning_logs/version_N``) that exists and holds nothing, and then
+    ``lightning_logs`` too if that leaves it empty."""
+    for logger in trainer.loggers:
+        path = getattr(logger, "log_dir", None)
+        for folder in (path, os.path.dirname(path)) if path else ():
+            with contextlib.suppress(OSError):  # another process wrote there meanwhile: keep it
+                if os.path.isdir(folder) and not os.listdir(folder):
+                    os.rmdir(folder)
 
 
 def _check_logger_installed(logger: object) -> None:
@@ -151,6 +177,29 @@ def _with_default_config(args: list[str]) -> list[str]:
     if args and args[0] in takes_config and not any(a.startswith("--config") or a == "-c" for a in args):
         return [args[0], "--config", str(DEMO_RECIPE), *args[1:]]
     return args
+
+
+def with_one_model_source(args: list[str]) -> list[str]:
+    """``args`` where a model source named on the command line replaces the config's other one.
+
+    ``--model.pretrained DIR`` on a random-init recipe (the demo) means that model, not the recipe's shape, and
+    ``--model.model_config NAME`` on a recipe of weights a random-init run: the other source becomes null right
+    after it (a later ``--config`` can still set it). Both named (not null) stays the module's error.
+    """
+    named: dict[str, tuple[int, str]] = {}  # flag -> (index of the last argument it takes, its value)
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if flag in _MODEL_SOURCES and eq:
+            named[flag] = (i, value)
+        elif arg in _MODEL_SOURCES and i + 1 < len(args):
+            named[arg] = (i + 1, args[i + 1])
+    if len(named) != 1:
+        return args
+    ((flag, (last, value)),) = named.items()
+    if value.strip().lower() in ("null", "none"):
+        return args
+    (other,) = (f for f in _MODEL_SOURCES if f != flag)
+    return [*args[: last + 1], other, "null", *args[last + 1 :]]
 
 
 def _config_paths(args: list[str]) -> Iterator[str]:
@@ -203,6 +252,7 @@ def main(args: list[str] | None = None) -> int:
     ``--help``/``--print_config`` end the process by ``SystemExit`` with its status (2, or 0).
     """
     argv = _with_default_config(resolve_config_args(list(sys.argv[1:] if args is None else args)))
+    argv = with_one_model_source(argv)
     prefer_expandable_segments()  # read when CUDA's caching allocator starts: before anything touches the GPU
     problem = config_problem(argv)
     if problem:

@@ -13,9 +13,10 @@ import os
 from typing import Any, Literal
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from lightning_lazytrain.node_load import load_pretrained
+from lightning_lazytrain.sft.data.errors import DataSettingError
 
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -118,6 +119,34 @@ def _where(hub: dict[str, Any]) -> str:
     return " (" + ", ".join(words) + ")"
 
 
+def position_limit(config: PretrainedConfig) -> int | None:
+    """The longest sequence the model's positions cover: ``max_position_embeddings``, raised by a RoPE scaling
+    ``factor`` (over ``original_max_position_embeddings`` where given: YaRN, Llama 3); None when not stated."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return None
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    factor = rope.get("factor") if isinstance(rope, dict) else None
+    if isinstance(factor, (int, float)) and factor > 1:
+        original = rope.get("original_max_position_embeddings") or limit
+        limit = max(limit, int(original * factor))
+    return limit
+
+
+def check_sequence_length(config: PretrainedConfig, max_seq_length: int, source: str) -> None:
+    """Refuse a ``max_seq_length`` past the model's positions (`position_limit`): a RoPE model runs them untrained
+    for those positions and one of learned positions fails. ``source`` names the model in the message."""
+    limit = position_limit(config)
+    if limit is not None and max_seq_length > limit:
+        raise DataSettingError(
+            "data.max_seq_length",
+            f"{max_seq_length} is longer than the {limit} positions of the model ({source}: max_position_embeddings"
+            f"={config.max_position_embeddings})",
+            f"Lower data.max_seq_length to {limit} or less, or give the model more positions (for a random-init"
+            " model: model.model_config.max_position_embeddings)",
+        )
+
+
 def check_source(pretrained: str | None, model_config: dict[str, Any] | str | None) -> None:
     """Refuse a module without exactly one model source when it is made, not only when the model is built."""
     if (pretrained is None) == (model_config is None):
@@ -134,7 +163,7 @@ def build_model(
     cache_dir: str | None = None,
     local_files_only: bool = False,
 ) -> PreTrainedModel:
-    """An HF causal LM from weights (hub name or local dir) or, for random-init runs, from a config.
+    """An HF causal LM in training mode, from weights (hub name or local dir) or, for random-init runs, a config.
 
     ``model_config`` is a dict with ``model_type`` and config fields, a name in :data:`NAMED_SHAPES`, or a config
     path/hub name. ``revision``, ``cache_dir`` and ``local_files_only`` apply to hub names (the module docstring).
@@ -145,11 +174,14 @@ def build_model(
         path, hub = _source(pretrained, revision, cache_dir, local_files_only)
         try:
             # on a machine's other ranks under lazytrain this reads the config only (node_load.py)
-            return load_pretrained(
+            model = load_pretrained(
                 path, dtype=_torch_dtype(dtype) or "auto", trust_remote_code=trust_remote_code, **hub, **attn
             )
         except OSError as exc:
             raise OSError(f"model.pretrained {pretrained!r}{_where(hub)} cannot be loaded: {exc}") from exc
+        # from_pretrained returns the model in eval mode and Lightning keeps the mode it finds at fit start: left
+        # so, dropout would be off in training (and the meta-built copies of other ranks, made by from_config, on)
+        return model.train()
     if isinstance(model_config, str) and model_config.lower() in NAMED_SHAPES:
         model_config = dict(NAMED_SHAPES[model_config.lower()])
     if isinstance(model_config, dict):

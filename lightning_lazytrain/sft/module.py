@@ -22,7 +22,13 @@ from lightning_lazytrain.sft.data.examples import IGNORE_INDEX
 from lightning_lazytrain.sft.data.packing import model_inputs
 from lightning_lazytrain.sft.data.tokenizer import end_of_turn_id, load_tokenizer
 from lightning_lazytrain.sft.eval_prompts import EvalPrompts, new_token_count
-from lightning_lazytrain.sft.model_loading import NAMED_SHAPES, DTypeName, build_model, check_source
+from lightning_lazytrain.sft.model_loading import (
+    NAMED_SHAPES,
+    DTypeName,
+    build_model,
+    check_sequence_length,
+    check_source,
+)
 
 __all__ = ["NAMED_SHAPES", "CausalLMModule", "build_model", "warmup_cosine"]
 
@@ -126,12 +132,16 @@ class CausalLMModule(pl.LightningModule):
     def configure_model(self) -> None:
         """Build the model once. The Trainer calls this inside its strategy's context: with lazytrain and several
         processes that is the meta device on a machine's other ranks, which then map local rank 0's weights."""
+        hp = self.hparams
         if "model" not in self._modules:
-            hp = self.hparams
             # nn.Module.__setattr__ files a module under _modules, where the property above reads it
             self.model = build_model(hp.pretrained, hp.model_config, hp.dtype, hp.trust_remote_code,
                                      hp.attn_implementation, hp.revision, hp.cache_dir, hp.local_files_only)
         if self._trainer is not None:  # the tokenizer is the datamodule's only once a Trainer runs the module
+            seq = getattr(getattr(self._trainer.datamodule, "hparams", None), "max_seq_length", None)
+            if isinstance(seq, int):
+                source = f"model.pretrained {hp.pretrained}" if hp.pretrained else "model.model_config"
+                check_sequence_length(self.model.config, seq, source)
             vocab = self.model.get_input_embeddings().num_embeddings
             if len(self.tokenizer) > vocab:
                 raise ValueError(f"tokenizer has {len(self.tokenizer)} tokens but the model's embedding only {vocab};"

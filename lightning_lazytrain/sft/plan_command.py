@@ -2,9 +2,9 @@
 
 It reads the same config and overrides as ``lazytrain fit`` (``--config qwen2.5-7b --data.batch_size
 64 --trainer.devices 2``), builds the model on the meta device, and runs admission and the activation plan for
-the GPU here (measured profile) or a named one (``--gpu h200``: published figures, analytic times). It prints
-host RAM, GPU memory and disk needed against what is there, the plan, the predicted step time and TFLOPS, and
-the largest batch that fits.
+the GPU here (measured profile), a named one (``--gpu h200``: published figures, analytic times) or, for a run
+on the CPU, the CPU device (`plan_machine`). It prints host RAM, device memory and disk needed against what is
+there, the plan, the predicted step time and TFLOPS, and the largest batch that fits.
 
 Exit status: 0 with an answer (whether it fits is in it: "fits" / "DOES NOT FIT", ``"fits"`` in the JSON), 2 for
 a usage or config error.
@@ -24,14 +24,16 @@ import torch
 
 from lightning_lazytrain.models.adapter import UnsupportedModelError, adapter_for
 from lightning_lazytrain.models.fused_kernels import fused_part_names
-from lightning_lazytrain.schedule.analytic import analytic_profile, scale_profile
 from lightning_lazytrain.schedule.batch_search import largest_batch
 from lightning_lazytrain.schedule.disk import checkpoints_kept, free_bytes
 from lightning_lazytrain.schedule.forecast import Forecast, Machine, RunSpec, forecast
-from lightning_lazytrain.schedule.gpus import GPUS, GpuSpec, gpu_spec, spec_for_device
+from lightning_lazytrain.schedule.gpus import GPUS
 from lightning_lazytrain.sft.cli import ConfigError, LazyTrainCLI
+from lightning_lazytrain.sft.data.errors import DataSettingError
 from lightning_lazytrain.sft.data.sft import SFTDataModule
+from lightning_lazytrain.sft.model_loading import check_sequence_length
 from lightning_lazytrain.sft.module import CausalLMModule
+from lightning_lazytrain.sft.plan_machine import cpu_machine, gpu_machine, plans_the_cpu
 from lightning_lazytrain.sft.plan_model import meta_model, model_config
 from lightning_lazytrain.sft.plan_report import render
 from lightning_lazytrain.units import GIB
@@ -154,33 +156,6 @@ def _kernels(run: RunSpec) -> str:
     return "Liger's fused " + (f"{', '.join(names[:-1])} and {names[-1]}" if len(names) > 1 else names[0])
 
 
-def _machine_and_profiles(gpu_name: str | None, run: RunSpec):
-    """(GpuSpec to plan for, profile function, words for the source)."""
-    here = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    measured_spec = spec_for_device(here) if here else None
-    if gpu_name is None and here is None:
-        raise ConfigError(f"no CUDA device here: name the GPU to plan for with --gpu ({', '.join(GPUS)})")
-    if gpu_name is None:
-        total = torch.cuda.get_device_properties(0).total_memory
-        spec = GpuSpec("this GPU", here, total, measured_spec.bf16_tflops if measured_spec else 0.0, 5)
-        return spec, lambda b: _measured(run, b), f"the GPU here ({here})"
-    spec = gpu_spec(gpu_name)
-    if measured_spec is not None:
-        if measured_spec.name == spec.name:
-            return spec, lambda b: _measured(run, b), f"--gpu {spec.name}, measured here"
-        ratio_from = measured_spec.bf16_tflops
-        return spec, lambda b: scale_profile(_measured(run, b), ratio_from, spec), f"--gpu {spec.name}"
-    return (spec, lambda b: analytic_profile(run.adapter, b, run.seq, spec, run.stream_dtype, fused=run.kernels_fused),
-            f"--gpu {spec.name}")
-
-
-def _measured(run: RunSpec, batch: int):
-    from lightning_lazytrain.schedule.device_profile import measured_profile
-
-    return measured_profile(run.adapter, batch, run.seq, torch.device("cuda", 0), run.stream_dtype,
-                            fused=run.kernels_fused)
-
-
 def _plan(cli: PlanCLI) -> dict:
     cfg = cli.config.as_dict()
     model_cfg, data, trainer = cfg.get("model") or {}, cfg.get("data") or {}, cfg.get("trainer") or {}
@@ -191,6 +166,11 @@ def _plan(cli: PlanCLI) -> dict:
         adapter = adapter_for(meta_model(config, bool(model_cfg.get("trust_remote_code"))))
     except (ValueError, OSError, UnsupportedModelError) as exc:
         raise ConfigError(f"the model cannot be planned: {exc}") from exc
+    seq = int(data.get("max_seq_length") or 1024)
+    try:
+        check_sequence_length(config, seq, source)
+    except DataSettingError as exc:
+        raise ConfigError(str(exc)) from None
     strategy = _strategy_args(trainer)
     world = _devices(trainer) * int(trainer.get("num_nodes") or 1)
     known = set(RunSpec.__dataclass_fields__) - {
@@ -206,7 +186,7 @@ def _plan(cli: PlanCLI) -> dict:
     }
     run = RunSpec(
         adapter,
-        int(data.get("max_seq_length") or 1024),
+        seq,
         str(trainer.get("precision") or "32-true"),
         _state_bytes(model_cfg),
         int(trainer.get("accumulate_grad_batches") or 1) > 1,
@@ -216,18 +196,23 @@ def _plan(cli: PlanCLI) -> dict:
         checkpoints_weights_only=_weights_only(trainer),
         **{k: v for k, v in strategy.items() if k in known},
     )
+    host = cfg.get("host_ram_gib")
+    host_available = int(host * GIB) if host is not None else psutil.virtual_memory().available
+    accelerator = trainer.get("accelerator")
     try:
-        spec, profile_for, gpu_words = _machine_and_profiles(cfg.get("gpu"), run)
+        if plans_the_cpu(cfg.get("gpu"), accelerator):
+            spec, profile_for, gpu_words = cpu_machine(run, host_available, accelerator)
+        else:
+            spec, profile_for, gpu_words = gpu_machine(cfg.get("gpu"), run)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     if cfg.get("gpu_memory_gib") is not None:
         spec = replace(spec, memory_bytes=int(cfg["gpu_memory_gib"] * GIB))
         gpu_words += f", capped at {cfg['gpu_memory_gib']:g} GiB"
     disk_dir = run.spill_dir or "."
-    host = cfg.get("host_ram_gib")
     machine = Machine(
         spec,
-        int(host * GIB) if host is not None else psutil.virtual_memory().available,
+        host_available,
         shutil.disk_usage(disk_dir).free if run.spill_dir else 0,
         float(cfg.get("update_gparams_per_s") or UPDATE_GPARAMS_PER_S) * 1e9,
         free_bytes(_checkpoint_dir(trainer)),

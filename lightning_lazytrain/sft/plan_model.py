@@ -63,7 +63,7 @@ def _pretrained_config(name: str, trust_remote_code: bool) -> tuple[PretrainedCo
         return _named(shape), f"published shape {shape!r} (no config.json for {name} in the cache or on the hub)"
     raise ValueError(
         f"model.pretrained={name!r}: no config.json in a local directory, the hub cache or the hub ({error})"
-        f"; give a local directory, or --model.pretrained null --model.model_config with one of "
+        f"; give a local directory, or --model.model_config with one of "
         f"{', '.join(NAMED_SHAPES)}"
     )
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 from lightning_lazytrain.schedule.batch_search import MAX_BATCH
 from lightning_lazytrain.units import GIB
 
-_TIER_NAMES = {"host": "host RAM", "gpu": "GPU", "disk": "spill disk", "checkpoint": "ckpt disk"}
+_TIER_NAMES = {"host": "host RAM", "disk": "spill disk", "checkpoint": "ckpt disk"}
 _LETTER = {"gpu": "G", "cpu": "C", "nvme": "N", "recompute": "r"}
 
 
-def _tiers(asked: dict) -> list[str]:
+def _tiers(asked: dict, device: str) -> list[str]:
     lines = [f"  {'':<10} {'piece':<42} {'GiB':>9}"]
     for key, tier in asked["tiers"].items():
         if not tier["need_bytes"] and not tier["have_bytes"]:
             continue  # no spill dir: nothing goes to that disk
-        name = _TIER_NAMES.get(key, key)
+        name = device if key == "gpu" else _TIER_NAMES.get(key, key)
         for piece, b in tier["pieces"].items():
             lines.append(f"  {name:<10} {piece:<42} {b / GIB:>9.2f}")
         short = tier["need_bytes"] - tier["have_bytes"]
@@ -24,7 +24,7 @@ def _tiers(asked: dict) -> list[str]:
     return lines
 
 
-def _plan_lines(f: dict, seq: int, world: int, peak_tflops: float) -> list[str]:
+def _plan_lines(f: dict, seq: int, world: int, peak_tflops: float, device: str) -> list[str]:
     s = f["schedule"]
     if s is None:
         return ["  no plan fits (see the notes)"]
@@ -42,16 +42,17 @@ def _plan_lines(f: dict, seq: int, world: int, peak_tflops: float) -> list[str]:
         "  homes (G gpu, C cpu, N nvme, r recompute): " + "".join(_LETTER[t] for t in tiers),
         f"  predicted step {p['step_s']:.3g} s = forward {p['forward_s']:.3g} + backward {p['backward_s']:.3g} + "
         f"head {p['head_s']:.3g} + exposed {p['exposed_s']:.3g} + update {p['update_s']:.3g}; "
-        f"{f['model_tflops']:.1f} model-TFLOPS per GPU{mfu}, {tokens:,.0f} tokens/s",
+        f"{f['model_tflops']:.1f} model-TFLOPS per {device}{mfu}, {tokens:,.0f} tokens/s",
     ]
 
 
 def render(answer: dict) -> str:
     m, g, r, asked = answer["model"], answer["gpu"], answer["run"], answer["asked"]
+    device = "CPU" if g["name"] == "cpu" else "GPU"  # plan_machine.cpu_machine: a run on the CPU
     out = [
         f"lazytrain plan: {m['architecture']}, {m['layers']} layers, {m['params'] / 1e9:.2f} B parameters "
         f"(config: {m['config']})",
-        f"GPU: {g['description']}, {g['memory_bytes'] / GIB:.1f} GiB ({g['source']})",
+        f"{device}: {g['description']}, {g['memory_bytes'] / GIB:.1f} GiB ({g['source']})",
         f"times: {asked['scaling']}",
         f"host: {answer['host']['available_bytes'] / GIB:.1f} GiB RAM available ({answer['host']['source']}); "
         f"CPU update "
@@ -62,17 +63,17 @@ def render(answer: dict) -> str:
         f"batch {asked['batch']}: {'fits' if asked['fits'] else 'DOES NOT FIT'}",
     ]
     out += (
-        _tiers(asked)
-        + _plan_lines(asked, r["seq"], r["world_size"], g["bf16_tflops"])
+        _tiers(asked, device)
+        + _plan_lines(asked, r["seq"], r["world_size"], g["bf16_tflops"], device)
         + [f"  note: {n}" for n in asked["notes"]]
     )
     best = answer.get("largest")
     if best is None and answer["largest_searched"]:
-        out.append("largest batch the GPU takes: none (not even batch 1)")
+        out.append(f"largest batch the {device} takes: none (not even batch 1)")
     elif best is not None and not best["fits_gpu"]:
-        out.append(f"largest batch the GPU takes: none found at or below {best['batch']}")
+        out.append(f"largest batch the {device} takes: none found at or below {best['batch']}")
     elif best is not None:
-        line = f"largest batch the GPU takes: {best['batch']}"
+        line = f"largest batch the {device} takes: {best['batch']}"
         slices = (best["schedule"] or {}).get("micro_batches", 1)
         if slices > 1:  # the predicted time is the whole batch's: slices this small may run slower
             line += f" in {slices} layer row slices"

@@ -7,6 +7,7 @@ lists them, each with the first paragraph of its leading comment.
 
 from __future__ import annotations
 
+import difflib
 import sys
 from importlib.resources import files
 from pathlib import Path
@@ -50,11 +51,17 @@ def resolve_config_args(args: list[str]) -> list[str]:
 
 
 def missing_recipe_hint(value: str) -> str | None:
-    """For a ``--config`` path that does not exist but whose file name is a shipped recipe, how to name it."""
+    """For a ``--config`` value that is neither a file nor a shipped recipe, one line naming the recipes (the
+    closest first) or, when its file name is a recipe, how to name it; None for a file or a YAML string."""
+    if Path(value).exists() or recipe_path(value) is not None or any(c in value for c in ":{}\n"):
+        return None  # jsonargparse reads a value with ':' or braces as the config's YAML text
     name = Path(value).name.removesuffix(SUFFIX)
-    if Path(value).exists() or recipe_path(name) is None:
-        return None
-    return f"{value}: no such file; the shipped recipe '{name}' is run by name: --config {name}"
+    if recipe_path(name) is not None:
+        return f"{value}: no such file; the shipped recipe '{name}' is run by name: --config {name}"
+    names = recipe_names()
+    closest = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
+    guess = f"did you mean --config {closest[0]}? " if closest else ""
+    return f"--config {value}: no such file or shipped recipe; {guess}the shipped recipes: {', '.join(names)}"
 
 
 def summary(name: str) -> str:

@@ -1,0 +1,55 @@
+"""``data.max_seq_length`` past the model's positions is refused at setup by ``fit`` and by ``plan``, naming both
+numbers and the fix (before, neither said a word: a RoPE model ran positions it never learned)."""
+
+import pytest
+from test_cli_exit_status import lazytrain
+from transformers import Qwen2Config
+
+from lightning_lazytrain.sft.model_loading import position_limit
+
+
+@pytest.mark.parametrize(("command", "source"), [("fit", "model.model_config"), ("plan", "model_config (inline)")])
+def test_a_sequence_past_the_models_positions_exits_2_naming_both(tmp_path, command, source):
+    proc = lazytrain(
+        [
+            command,
+            "--config",
+            "demo",
+            "--data.max_seq_length",
+            "300",
+            "--trainer.max_steps",
+            "1",
+            "--trainer.logger.init_args.save_dir",
+            str(tmp_path / "runs"),
+        ],
+        tmp_path,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "data.max_seq_length: 300 is longer than the 256 positions of the model" in last, last
+    assert f"({source}: max_position_embeddings=256)" in last, last
+    assert "Lower data.max_seq_length to 256 or less" in last and "max_position_embeddings" in last, last
+
+
+def test_a_sequence_within_the_positions_plans(tmp_path):
+    proc = lazytrain(
+        ["plan", "--config", "demo", "--data.max_seq_length", "256", "--gpu", "h200", "--max_batch", "false"], tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("rope", "limit"),
+    [
+        (None, 32768),
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "rope_theta": 1e6}, 131072),
+        ({"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}, 65536),
+        ({"rope_type": "llama3", "factor": 2.0, "original_max_position_embeddings": 8192, "rope_theta": 1e6}, 32768),
+    ],
+)
+def test_position_limit_counts_rope_scaling(rope, limit):
+    config = Qwen2Config(max_position_embeddings=32768)
+    if rope is not None:
+        config.rope_parameters = rope
+    assert position_limit(config) == limit
