@@ -293,6 +293,13 @@ def commit() -> str:
         return os.environ.get("LAZYTRAIN_COMMIT", "unknown")
 
 
+def default_out(group: str) -> str:
+    """``benchmarks/results/<group>_<commit>_<machine>.json`` for this checkout and machine (results_index.py)."""
+    from results_index import machine_class, result_path
+
+    return result_path(group, machine_class(machine()), commit())
+
+
 def write_results(path: str, payload: dict) -> None:
     payload = {"command": " ".join([sys.executable.split("/")[-1], *sys.argv]), "commit": commit(),
                "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), **payload}

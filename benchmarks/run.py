@@ -1,7 +1,7 @@
 """The benchmark suite: lazytrain against what a user would pick instead, through one Lightning ``Trainer`` and one
 LightningModule, random-init Qwen2.5 shapes, seq 1024, bf16, under emulated GPU memory caps.
 
-    python benchmarks/run.py --models qwen2.5-3b --systems all --batches 8 --out benchmarks/results/h200.json
+    python benchmarks/run.py --models qwen2.5-3b --systems all --batches 8   # -> results/run_<commit>_<machine>.json
     python benchmarks/run.py --models qwen2.5-7b --systems lazytrain --caps 80 24 --batches max
 
 ``--batches max`` searches the largest batch under the cap: candidates from the largest down; a candidate that
@@ -26,6 +26,7 @@ from common import (
     StepTimer,
     cap_gpu_memory,
     commit,
+    default_out,
     machine,
     model_flops_per_token,
     qwen_config,
@@ -182,9 +183,10 @@ def main() -> None:
                         help="batch sizes, 'max' to search, 'same' for lazytrain's")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--out", default="benchmarks/results/h200.json")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/run_<commit>_<machine>.json")
     parser.add_argument("--merge", default=None, help="an earlier results file whose runs are kept")
     args = parser.parse_args()
+    args.out = args.out or default_out("run")
     systems = list(SYSTEMS) if args.systems == ["all"] else args.systems
     unknown = set(systems) - set(SYSTEMS)
     if unknown:

@@ -1,7 +1,7 @@
 """The fair baseline suite and the targets of issue 40, one table regenerated at one commit.
 
-    python benchmarks/suite_gpu.py --rows p2 --out benchmarks/results/suite_p2_<commit>_h200.json
-    python benchmarks/suite_gpu.py --rows baselines|megatrain|7b|ceiling|p5 --out ...
+    LAZYTRAIN_COMMIT=<commit> python benchmarks/suite_gpu.py --rows p2   # -> results/suite_p2_<commit>_<gpu>.json
+    python benchmarks/suite_gpu.py --rows baselines|megatrain|7b|kernels|ceiling|p5 [--out FILE]
     python benchmarks/suite_gpu.py --rows p2 --tiny --out /tmp/suite_cpu.json     # CPU dry run
 
 Every row runs in its own subprocess (no host model, pinned cache or allocator state is shared between systems)
@@ -69,7 +69,7 @@ ROWS = [
     Row("megatrain-interval4-after-backward-3b-b8", "megatrain", "lazytrain-interval4", *B8, 200),
     Row("megatrain-interval4-overlapped-3b-b8", "megatrain", "lazytrain-interval4-overlap", *B8, 150),
     # from the largest batch down: batch 96 ran at 385.4 model-TFLOPS where 144 ran at 435.3 on the same H200
-    # (suite_p1_h200.json, suite_kernels_h200.json), so the search starts above the paper's batch
+    # (suite_p1_c17ab17_h200.json, suite_kernels_c17ab17_h200.json), so the search starts above the paper's batch
     Row("lazytrain-7b-80g-max", "7b", "lazytrain", "qwen2.5-7b", (192, 160, 144, 96, 64), 80.0, 420, EXPANDABLE),
     Row("lazytrain-7b-80g-b144-expandable", "7b", "lazytrain", "qwen2.5-7b", (144,), 80.0, 360, EXPANDABLE),
     Row("lazytrain-hf-kernels-7b-80g-b144-expandable", "kernels", "lazytrain-hf-kernels", "qwen2.5-7b", (144,), 80.0,
@@ -211,7 +211,8 @@ def print_table(rows: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", nargs="+", default=["all"], help=f"row names or groups {GROUPS}, or all")
-    parser.add_argument("--out", default="benchmarks/results/suite_h200.json")
+    parser.add_argument("--out", default=None,
+                        help="default: benchmarks/results/suite_<rows>_<commit>_<machine>.json (results_index.py)")
     parser.add_argument("--tiny", action="store_true", help="the tiny shape on whatever device: a dry run")
     parser.add_argument("--gpu-share", type=float, default=None,
                         help="the GPU's share of the update for the -ratio rows (default: their share_from row's)")
@@ -221,6 +222,12 @@ def main() -> None:
     if args.child:
         child(json.loads(args.child), args.child_out)
         return
+    if args.out is None and args.tiny:  # a dry run writes nothing into results/
+        args.out = os.path.join(tempfile.gettempdir(), "suite_tiny.json")
+    if args.out is None:
+        from common import default_out
+
+        args.out = default_out("suite_" + "-".join(args.rows))
     picked = [r for r in ROWS if "all" in args.rows or r.name in args.rows or r.group in args.rows]
     unknown = set(args.rows) - {"all", *GROUPS, *(r.name for r in ROWS)}
     if unknown:

@@ -3,8 +3,14 @@ batches it reads, with the GPU peak and the share of the update on the GPU of th
 
 from __future__ import annotations
 
-CEILINGS = ("resident-7b-max", "resident-ckpt-7b-max", "resident-liger-7b-max", "resident-ckpt-liger-7b-max",
-            "resident-liger-flce-7b-max", "resident-ckpt-liger-flce-7b-max")
+CEILINGS = (
+    "resident-7b-max",
+    "resident-ckpt-7b-max",
+    "resident-liger-7b-max",
+    "resident-ckpt-liger-7b-max",
+    "resident-liger-flce-7b-max",
+    "resident-ckpt-liger-flce-7b-max",
+)
 FSDP = ("fsdp-offload-3b-b8-adamw-default", "fsdp-offload-3b-b8-adamw-fused", "fsdp-offload-3b-b8-adamw-fused-nockpt")
 # DeepSpeed with lazytrain's share of the update on the GPU: parameters offloaded, and parameters on the GPU
 SAME_SHARE = ("deepspeed-z3-ratio-3b-b8", "deepspeed-z3-gpu-params-ratio-3b-b8")

@@ -96,7 +96,7 @@ def build(system: str, shape: str, batch: int, host_cache: dict, fp32_adamw: boo
     if system.startswith("lazytrain"):
         model = _cached_host_model(shape, host_cache)
         # 8-bit states: on the H200 host's 16 cores the one-loop 8-bit update is the faster one (4.99 vs 3.74
-        # G params/s with bf16 grads, clip and stream copy: results/optim_cpu_16core.json) and a quarter the bytes
+        # G params/s with bf16 grads, clip and stream copy: optim_cpu_324b44b_cpu16.json) and a quarter the bytes
         hybrid, label = "hybrid1", "HybridAdamW 8-bit states"
         if system in OVERLAPPED:
             kwargs, note = OVERLAPPED[system]
