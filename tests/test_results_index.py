@@ -72,3 +72,16 @@ def test_a_stale_section_is_replaced_between_the_markers():
     start, end = results_index.MARKERS
     text = f"before\n{start}\nold table\n{end}\nafter\n"
     assert results_index.with_section(text, "new table") == f"before\n{start}\nnew table\n{end}\nafter\n"
+
+
+@pytest.mark.parametrize(
+    ("cited_in", "reason"),
+    [
+        ([], "cited nowhere"),
+        (["docs/benchmarks_history.md"], "superseded: cited only by the history"),
+        (["docs/benchmarks.md", "docs/benchmarks_history.md"], "superseded: cited as an earlier measurement"),
+    ],
+)
+def test_the_archive_says_why_a_file_that_follows_the_rule_is_there(cited_in, reason):
+    entry = results_index.Entry(results_index.ARCHIVE / "run_1234567_h200.json", "1234567", "h200", 1, [], cited_in)
+    assert results_index.archive_reason(entry) == reason
