@@ -167,10 +167,29 @@ def median_seconds(fn, reps: int, warm: int = 0) -> float:
     return statistics.median(times)
 
 
-class StepTimer(pl.Callback):
-    """CUDA events at batch start, before the optimizer step and at batch end; read only after the run."""
+class ChunkedLossModule(BenchModule):
+    """The GPU-resident model with the head's loss in chunks, as lazytrain's head runs it: Liger's fused linear
+    cross-entropy never holds the whole batch's logits (HF's loss holds them, and an fp32 copy)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model) -> None:
+        super().__init__(model, "adamw")
+
+    def training_step(self, batch, batch_idx):
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        hidden = self.model.model(input_ids=batch["input_ids"]).last_hidden_state
+        inputs = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # position t predicts token t + 1, as HF's loss
+        return LigerFusedLinearCrossEntropyLoss()(self.model.lm_head.weight, inputs, batch["labels"][:, 1:].reshape(-1))
+
+
+class StepTimer(pl.Callback):
+    """CUDA events at batch start, before the optimizer step and at batch end; read only after the run.
+    ``update_share``: the share of the update on the GPU, read from the strategy at each batch end (before teardown
+    drops what it reads)."""
+
+    def __init__(self, update_share=None) -> None:
+        self.update_share = update_share
+        self.gpu_update_share: float | None = None
         self.marks: list[tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event]] = []
         self._open: list[torch.cuda.Event] = []
         self.stats: list[dict] = []
@@ -198,6 +217,8 @@ class StepTimer(pl.Callback):
         self.plan = getattr(getattr(trainer.strategy, "executor", None), "plan", None)
         self.fused_modules = getattr(getattr(trainer.strategy, "executor", None), "fused_modules", None)
         self.rss_max = max(self.rss_max, psutil.Process().memory_info().rss)
+        if self.update_share is not None:
+            self.gpu_update_share = self.update_share(trainer.strategy)
 
     def summary(self, warmup: int) -> dict:
         if GPU:
@@ -226,6 +247,7 @@ class StepTimer(pl.Callback):
             "host_rss_max_gib": self.rss_max / 2**30,
             # modules of the streamed layers running Liger's kernels (None: not a lazytrain run)
             "fused_kernel_modules": self.fused_modules,
+            "gpu_update_share": self.gpu_update_share,
         }
 
 
@@ -269,6 +291,13 @@ def commit() -> str:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
     except (OSError, subprocess.CalledProcessError):
         return os.environ.get("LAZYTRAIN_COMMIT", "unknown")
+
+
+def default_out(group: str) -> str:
+    """``benchmarks/results/<group>_<commit>_<machine>.json`` for this checkout and machine (results_index.py)."""
+    from results_index import machine_class, result_path
+
+    return result_path(group, machine_class(machine()), commit())
 
 
 def write_results(path: str, payload: dict) -> None:

@@ -1,6 +1,6 @@
 """The CPU demo recipe, measured: untrained and trained exact match, wall time, per torch thread count.
 
-Usage: python benchmarks/demo_cpu.py [--threads 1 2] [--out benchmarks/results/demo_cpu.json] [-- EXTRA CLI ARGS]
+Usage: python benchmarks/demo_cpu.py [--threads 1 2] [--out FILE] [-- EXTRA CLI ARGS]
 
 For each thread count, runs ``lazytrain validate --config demo`` (the untrained model: the recipe's seed gives fit
 the same initial weights) and ``lazytrain fit --config demo`` as subprocesses with ``OMP_NUM_THREADS`` set, each
@@ -129,8 +129,11 @@ def main() -> None:
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/demo_cpu.json"))
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/demo_<commit>_cpu<cores>.json")
     args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    from results_index import result_path  # beside this script
+
+    args.out = args.out or str(ROOT / result_path("demo", f"cpu{os.cpu_count()}"))
     with tempfile.TemporaryDirectory(prefix="demo_cpu_") as tmp:
         runs = [measure(t, extra, Path(tmp)) for t in args.threads]
     final = [r["trained_exact_match"] for r in runs]

@@ -1,6 +1,6 @@
 """Issue 2 on the GPU: lazytrain vs the same model fully resident, Qwen2.5-3B shape, bf16, seq 1024, batch 8.
 
-    python benchmarks/foundation_gpu.py --out benchmarks/results/foundation_h200.json
+    python benchmarks/foundation_gpu.py --out benchmarks/results/foundation_<commit>_<machine>.json
 
 Resident runs keep everything on the GPU (bf16 weights and fused GPU AdamW: the setting REFERENCE.md's anchors
 were measured in). lazytrain runs bf16-mixed with fp32 masters and fused CPU AdamW on the host.
@@ -17,6 +17,7 @@ from common import (
     BenchModule,
     RandomTokens,
     StepTimer,
+    default_out,
     host_peak_gib,
     model_flops_per_token,
     print_table,
@@ -51,7 +52,7 @@ def measure(name, module, strategy, precision, data, warmup, tokens, flops_per_t
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="benchmarks/results/foundation_h200.json")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/foundation_<commit>_<machine>.json")
     parser.add_argument("--shape", default="qwen2.5-3b")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
@@ -59,6 +60,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--only", nargs="*", default=None, help="run only these lazytrain variants")
     args = parser.parse_args()
+    args.out = args.out or default_out("foundation")
 
     cfg = qwen_config(args.shape)
     data = RandomTokens(args.steps, args.batch, args.seq)

@@ -160,7 +160,7 @@ def _parent(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true", help="CPU dry run with a 2-layer config")
-    parser.add_argument("--out", default=None, help="default benchmarks/results/generate_h200.json")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/generate_<commit>_<machine>.json")
     parser.add_argument("--shapes", default=None, help="prompts x new tokens, e.g. 16x32,128x256")
     parser.add_argument("--streamed-shapes", default=None, help="shapes for the streamed run (it is the slow one)")
     parser.add_argument("--prompt-tokens", type=int, default=64)
@@ -169,8 +169,12 @@ def main() -> None:
     args = parser.parse_args()
     args.shapes = args.shapes or ("4x8,8x16" if args.tiny else "16x32,128x32,16x256,128x256")
     args.streamed_shapes = args.streamed_shapes or ("4x8,8x16" if args.tiny else "16x32,128x32,128x256")
-    default_out = os.path.join(tempfile.gettempdir(), "generate_tiny.json") if args.tiny else None
-    args.out = args.out or default_out or "benchmarks/results/generate_h200.json"
+    tiny_out = os.path.join(tempfile.gettempdir(), "generate_tiny.json") if args.tiny else None
+    if args.out is None and tiny_out is None:
+        from common import default_out
+
+        args.out = default_out("generate")
+    args.out = args.out or tiny_out
     if args.mode is None:
         _parent(args)
         return

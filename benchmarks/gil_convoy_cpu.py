@@ -7,7 +7,7 @@ back. Each time it wants the GIL back it can wait for a worker's whole stretch, 
 interval (5 ms). This times the main thread's calls alone, beside such workers, and after doing the workers'
 Python itself (what ``engine/updates/device.py`` now does), with the same total Python work.
 
-    python benchmarks/gil_convoy_cpu.py --out benchmarks/results/gil_convoy_cpu.json
+    python benchmarks/gil_convoy_cpu.py --out benchmarks/results/gil_convoy_<commit>_<machine>.json
 """
 
 from __future__ import annotations

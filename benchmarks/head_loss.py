@@ -1,6 +1,6 @@
 """The chunked head loss, forward and backward, timed on whatever device is here (CUDA events or wall clock).
 
-    python benchmarks/head_loss.py --out benchmarks/results/head_loss_cpu.json
+    python benchmarks/head_loss.py --out benchmarks/results/head_loss_<commit>_<machine>.json
     PYTHONPATH=<other checkout> python benchmarks/head_loss.py ...   # the same for another version of the library
 
 Rows of ``--rows`` tokens through a head of ``--vocab`` x ``--hidden``, in chunks of ``--chunk-mib`` of fp32 logits;

@@ -1,6 +1,6 @@
 """One decoder layer's GPU memory, measured against the estimate the CPU uses (and `lazytrain plan` forecasts with).
 
-    python benchmarks/layer_memory_gpu.py --out benchmarks/results/layer_memory_h100.json
+    python benchmarks/layer_memory_gpu.py --out benchmarks/results/layer_memory_<commit>_<machine>.json
 
 Per shape and batch (seq 1024, bf16, sdpa): the kept graph's bytes, the forward+backward peak and the graph with
 the MLP re-run in the backward, measured on CUDA (``schedule/layer_memory.py``'s ``measure_*``) and estimated from

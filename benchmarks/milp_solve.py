@@ -1,6 +1,6 @@
 """Solve-time benchmark of the placement MILP on CPU for 28-, 48- and 64-layer problems from realistic shapes.
 
-Run: ``python benchmarks/milp_solve.py [--time-limit 10] [--gap 0.01] [--out benchmarks/results/milp_solve_cpu.json]``
+Run: ``python benchmarks/milp_solve.py [--time-limit 10] [--gap 0.01] [--out FILE]``
 
 Numbers per layer are analytic (no GPU here): activation bytes = batch * seq * hidden * 2 (bf16 hidden state),
 forward seconds = 2 * params_per_layer * tokens / 400e12 FLOP/s (one third of the 6N training FLOPs), window
@@ -113,8 +113,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-sweep", action="store_true", help="skip the 32-problem 64-layer robustness sweep")
     ap.add_argument("--only", default=None, help="substring of the case names to run")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "milp_solve_cpu.json"))
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/milp_solve_<commit>_cpu<cores>.json")
     args = ap.parse_args()
+    from results_index import result_path  # beside this script
+
+    args.out = args.out or result_path("milp_solve", f"cpu{os.cpu_count()}")
     results = {}
     for name, prob in cases().items():
         if args.only and args.only not in name:

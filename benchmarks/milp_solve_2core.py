@@ -1,7 +1,7 @@
 """P6 of issue 16: the largest placement MILP the planner builds today, for a 64-layer shape, solved on 2 cores.
 
 Run (pin it to two cores, as the target says):
-``taskset -c 0,1 python benchmarks/milp_solve_2core.py [--out benchmarks/results/milp_solve_2core.json]``
+``taskset -c 0,1 python benchmarks/milp_solve_2core.py [--out FILE]``
 
 The problem is what ``planner.solve_plan`` builds on the CPU, for the Qwen3.6-27B shape (``NAMED_SHAPES``) built
 on the meta device: `analytic_profile` for the H200 (times from FLOPs, the published link figures, and
@@ -52,7 +52,7 @@ CASES = {"b16-cap40": (16, 40.0, 16.0, 32.0, 4), "b16-cap64": (16, 64.0, 16.0, 3
          "b32-cap80": (32, 80.0, 32.0, 64.0, 4), "b48-cap141": (48, 141.0, 32.0, 64.0, 4),
          "b16-cap40-host2": (16, 40.0, 2.0, 1.0, 4), "b32-cap80-host4": (32, 80.0, 4.0, 2.0, 4),
          "b16-cap40-host2-span8": (16, 40.0, 2.0, 1.0, 8)}
-CPU_UPDATE_PARAMS_PER_S = 4.0e9  # HybridAdamW on the 16-core H200 host (optim_cpu_16core.json)
+CPU_UPDATE_PARAMS_PER_S = 4.0e9  # HybridAdamW on the 16-core H200 host (optim_cpu_324b44b_cpu16.json)
 
 
 def problem_for(adapter, batch: int, cap_gib: float, cpu_gib: float, nvme_gib: float, span: int):
@@ -99,8 +99,11 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=10.0)
     ap.add_argument("--gap", type=float, default=0.01)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "milp_solve_2core.json"))
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/milp_solve_2core_<commit>_cpu2.json")
     args = ap.parse_args()
+    from results_index import result_path  # beside this script
+
+    args.out = args.out or result_path("milp_solve_2core", f"cpu{os.cpu_count()}")
     adapter = adapter_for(meta_model(_named(SHAPE)))
     results = {}
     for name, (batch, cap, cpu, nvme, span) in CASES.items():

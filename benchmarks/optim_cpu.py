@@ -1,6 +1,6 @@
 """CPU optimizer-update throughput (G params/s): torch AdamW fused/foreach, bitsandbytes AdamW8bit, HybridAdamW.
 
-Usage: python benchmarks/optim_cpu.py [--out benchmarks/results/optim_cpu_2core.json] [--numel 50e6 --tensors 4]
+Usage: python benchmarks/optim_cpu.py [--out FILE] [--numel 50e6 --tensors 4]
 Every optimizer updates the same tensors (fp32 params, fp32 grads; HybridAdamW also with bf16 grads and a bf16
 stream copy, the engine's configuration). ``--rounds`` times over all optimizers in turn (so a load change on a
 shared machine hits them all alike), each: build it, one warm-up step, ``--repeats`` timed steps; the result is
@@ -74,7 +74,7 @@ def _median(xs: list[float]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results/optim_cpu_2core.json")
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/optim_cpu_<commit>_cpu<cores>.json")
     ap.add_argument("--numel", type=float, default=48e6, help="elements per large tensor")
     ap.add_argument("--tensors", type=int, default=4, help="number of large tensors")
     ap.add_argument("--small", type=int, default=8, help="extra 1M-element tensors (so fraction 0.02 selects some)")
@@ -82,6 +82,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--skip-bnb", action="store_true")
     args = ap.parse_args()
+    from results_index import result_path  # beside this script
+
+    args.out = args.out or result_path("optim_cpu", f"cpu{os.cpu_count()}")
     torch.manual_seed(0)
     shapes = [int(args.numel)] * args.tensors + [1 << 20] * args.small
     params = [torch.randn(n) * 0.02 for n in shapes]

@@ -1,7 +1,7 @@
 """Issue 4 end to end: the same plan with the optimizer update overlapped (engine-run, per layer, behind the next
 forward) vs after the backward (``overlap_updates=False``: fp32 host gradients, ``optimizer.step()``).
 
-    python benchmarks/overlap_gpu.py --out benchmarks/results/overlap_h200.json
+    python benchmarks/overlap_gpu.py --out benchmarks/results/overlap_<commit>_<machine>.json
 
 Qwen2.5-7B shape, bf16-mixed, HybridAdamW with all 8-bit states, clip 1.0, under an 80 GiB GPU cap.
 """
@@ -15,6 +15,7 @@ from common import (
     BenchModule,
     RandomTokens,
     cap_gpu_memory,
+    default_out,
     host_model,
     model_flops_per_token,
     print_table,
@@ -29,10 +30,11 @@ from lightning_lazytrain import LazyTrainStrategy
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="benchmarks/results/overlap_h200.json")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/overlap_<commit>_<machine>.json")
     parser.add_argument("--cap-gib", type=float, default=80.0)
     parser.add_argument("--batches", type=int, nargs="*", default=[8, 32])
     args = parser.parse_args()
+    args.out = args.out or default_out("overlap")
     cap_gpu_memory(args.cap_gib)
     seq, rows = 1024, []
     model = host_model("qwen2.5-7b")

@@ -1,6 +1,6 @@
 """`lazytrain plan`'s predictions against the measured lazytrain rows of H200 result files.
 
-Run: ``python benchmarks/plan_vs_measured.py [--measured FILE ...] [--out benchmarks/results/plan_h200.json]
+Run: ``python benchmarks/plan_vs_measured.py [--measured FILE ...] [--out FILE]
 [--extra qwen2.5-7b:80:144 ...]``
 
 For every ``lazytrain`` row (model, GPU cap, batch) of the measured files (`benchmarks/run.py`'s ``runs`` or
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -36,7 +37,7 @@ SEQ = 1024
 STATE_BYTES = 2.0  # the benchmark's HybridAdamW keeps every large tensor's states in 8 bits
 MEASURED = ("h200.json", "suite_p1_d16bc1f_h200.json", "suite_p5_paper_16959f6_h200.json",
             "suite_auto_16959f6_h200.json")
-UPDATE_RATE = 4.99e9  # hybrid_frac1_bf16grad_clip_streamcopy on the H200 host's 16 cores (optim_cpu_16core.json)
+UPDATE_RATE = 4.99e9  # hybrid_frac1_bf16grad_clip_streamcopy on the H200 host's 16 cores (optim_cpu_324b44b_cpu16.json)
 
 
 def _points(measured: list[dict], extra: list[str]) -> list[tuple[str, float, int, bool, dict | None]]:
@@ -84,7 +85,7 @@ def _cell(value, fmt: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--measured", nargs="+", default=[str(ROOT / "benchmarks/results" / name) for name in MEASURED])
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/plan_h200.json"))
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/plan_<commit>_cpu<cores>.json")
     ap.add_argument(
         "--extra",
         nargs="*",
@@ -92,6 +93,9 @@ def main() -> None:
         help="model:cap_gib:batch points without a measured row (the LazyTrain paper's 3B batch)",
     )
     args = ap.parse_args()
+    from results_index import result_path  # beside this script
+
+    args.out = args.out or str(ROOT / result_path("plan", f"cpu{os.cpu_count()}"))
     measured = [json.loads(Path(path).read_text()) for path in args.measured]
     cuda = torch.cuda.is_available()
     rows = []

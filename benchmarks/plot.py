@@ -1,6 +1,6 @@
 """Model-TFLOPS per system and model from a suite results file, with the papers' H800 figures beside ours.
 
-    python benchmarks/plot.py benchmarks/results/h200.json docs/benchmarks_tflops.png
+    python benchmarks/plot.py benchmarks/results/archive/h200.json docs/benchmarks_tflops.png
 
 Needs the ``plot`` extra (matplotlib). Runs that did not finish are left out of the bars.
 """

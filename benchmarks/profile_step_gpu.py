@@ -1,8 +1,8 @@
 """One training step of a bench system under ``torch.profiler`` (CPU and CUDA, every thread), after warm-up.
 
 The device share of the updates ran 0.9 s a step longer than the CPU path at 3B batch 8 on an H100, with the layers'
-GPU span only 0.54 s and no update wait measured (``results/ab_3b_fused_bitwise_h100.json``): the time is spent
-between steps or in a thread the step timer does not see. A trace from one batch start to the next shows where.
+GPU span only 0.54 s and no update wait measured (``results/archive/ab_3b_fused_bitwise_178dc78_h100.json``): the time
+is spent between steps or in a thread the step timer does not see. A trace from one batch start to the next shows where.
 
     python benchmarks/profile_step_gpu.py --system lazytrain-gpu-updates-plan --out $OUT/profile_plan
     python benchmarks/profile_step_gpu.py --system lazytrain --out $OUT/profile_cpu

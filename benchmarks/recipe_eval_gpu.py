@@ -106,14 +106,17 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--prompts", type=int, default=None)
     parser.add_argument("--new-tokens", type=int, default=None)
-    parser.add_argument("--out", default=None, help="default benchmarks/results/recipe_eval_h200.json")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/recipe_eval_<commit>_<machine>.json")
     parser.add_argument("--run-dir", default=None, help="logs and metrics.csv (default: a temporary directory)")
     args = parser.parse_args()
     for name, full, tiny in (("steps", 50, 3), ("batch_size", 8, 2), ("prompts", 128, 8), ("new_tokens", 256, 8)):
         if getattr(args, name) is None:
             setattr(args, name, tiny if args.tiny else full)
-    out = args.out or (os.path.join(tempfile.gettempdir(), "recipe_eval_tiny.json") if args.tiny
-                       else os.path.join(HERE, "results", "recipe_eval_h200.json"))
+    if args.out is None and not args.tiny:
+        from common import default_out  # imported late, as write_results below
+
+        args.out = default_out("recipe_eval")
+    out = args.out or os.path.join(tempfile.gettempdir(), "recipe_eval_tiny.json")
     run_dir = args.run_dir or tempfile.mkdtemp(prefix="recipe_eval_")
     timer_path = os.path.join(run_dir, "phases.json")
     cli = _cli_args(args, timer_path, run_dir)

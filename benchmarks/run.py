@@ -1,7 +1,7 @@
 """The benchmark suite: lazytrain against what a user would pick instead, through one Lightning ``Trainer`` and one
 LightningModule, random-init Qwen2.5 shapes, seq 1024, bf16, under emulated GPU memory caps.
 
-    python benchmarks/run.py --models qwen2.5-3b --systems all --batches 8 --out benchmarks/results/h200.json
+    python benchmarks/run.py --models qwen2.5-3b --systems all --batches 8   # -> results/run_<commit>_<machine>.json
     python benchmarks/run.py --models qwen2.5-7b --systems lazytrain --caps 80 24 --batches max
 
 ``--batches max`` searches the largest batch under the cap: candidates from the largest down; a candidate that
@@ -26,13 +26,14 @@ from common import (
     StepTimer,
     cap_gpu_memory,
     commit,
+    default_out,
     machine,
     model_flops_per_token,
     qwen_config,
     run_fit,
 )
 from probe import HostPeakSampler, trainer_facts
-from systems import SYSTEMS, build, rerun_share, work_ratio
+from systems import SYSTEMS, build, gpu_update_share, rerun_share, work_ratio
 
 import lightning_lazytrain  # noqa: F401
 
@@ -49,8 +50,9 @@ def _num_params(shape: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _fit(system: str, shape: str, batch: int, steps: int, timer: StepTimer, host_cache: dict, fp32_adamw: bool):
-    run = build(system, shape, batch, host_cache, fp32_adamw=fp32_adamw)
+def _fit(system: str, shape: str, batch: int, steps: int, timer: StepTimer, host_cache: dict, fp32_adamw: bool,
+         gpu_share: float | None = None):
+    run = build(system, shape, batch, host_cache, fp32_adamw=fp32_adamw, gpu_share=gpu_share)
     try:
         data = RandomTokens(steps, batch, SEQ, qwen_config(shape).vocab_size)
         run_fit(run.module, run.strategy, run.precision, data, timer, **run.trainer_kw)
@@ -77,7 +79,9 @@ def allocator_facts() -> dict:
 
 
 def one_run(system: str, shape: str, batch: int, cap: float | None, steps: int, warmup: int,
-            host_cache: dict) -> dict:
+            host_cache: dict, gpu_share: float | None = None) -> dict:
+    """``steps`` batches, the first ``warmup`` untimed: ``steps - warmup - 1`` intervals from batch start to batch
+    start are timed. ``gpu_share``: the GPU's share of the update for the ``-ratio`` systems."""
     row = {"system": system, "model": shape, "batch": batch, "seq": SEQ, "gpu_cap_gib": cap, "commit": commit(),
            "command": " ".join(["python", *sys.argv])}
     gc.collect()
@@ -85,14 +89,15 @@ def one_run(system: str, shape: str, batch: int, cap: float | None, steps: int, 
     cap_gpu_memory(cap if cap is not None else 1e9)
     if GPU:
         torch.cuda.reset_peak_memory_stats()
-    timer = StepTimer()
+    timer = StepTimer(gpu_update_share)
     sampler = HostPeakSampler()
     with sampler:
         try:
-            run = _fit(system, shape, batch, steps, timer, host_cache, fp32_adamw=True)
+            run = _fit(system, shape, batch, steps, timer, host_cache, fp32_adamw=True, gpu_share=gpu_share)
         except Exception as exc:
             if system == "lazytrain-interval4" and type(exc).__name__ == "AdmissionError":
-                timer = StepTimer()  # the MegaTrain policy with fp32 states does not fit this host: 8-bit states
+                # the MegaTrain policy with fp32 states does not fit this host: 8-bit states
+                timer = StepTimer(gpu_update_share)
                 try:
                     run = _fit(system, shape, batch, steps, timer, host_cache, fp32_adamw=False)
                 except Exception as exc2:
@@ -122,7 +127,8 @@ def one_run(system: str, shape: str, batch: int, cap: float | None, steps: int, 
                       "h2d_d2h_wait_s": stall, "update_wait_s": waits, "optimizer_after_backward_s": s["optimizer_s"],
                       "cpu_update_busy_s": engine.get("update_busy_s", 0.0),
                       "gpu_update_launch_s": engine.get("device_update_launch_s", 0.0)},
-        "steps_timed": s["steps_timed"], "engine": engine,
+        "steps_timed": s["steps_timed"], "warmup_steps": warmup, "gpu_update_share": s["gpu_update_share"],
+        "engine": engine,
         "plan": schedule.counts() if schedule is not None else None,
         "layer_micro_batches": schedule.micro_batches if schedule is not None else None,
         "kept_graphs": timer.plan.graph_layers if timer.plan is not None else None,
@@ -177,9 +183,10 @@ def main() -> None:
                         help="batch sizes, 'max' to search, 'same' for lazytrain's")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--out", default="benchmarks/results/h200.json")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/run_<commit>_<machine>.json")
     parser.add_argument("--merge", default=None, help="an earlier results file whose runs are kept")
     args = parser.parse_args()
+    args.out = args.out or default_out("run")
     systems = list(SYSTEMS) if args.systems == ["all"] else args.systems
     unknown = set(systems) - set(SYSTEMS)
     if unknown:

@@ -1,6 +1,6 @@
 """Larger shapes on the H200: Qwen2.5-7B under an 80 GiB GPU cap at several batches, and a 14B bf16-true run.
 
-    python benchmarks/scale_gpu.py --out benchmarks/results/scale_h200.json
+    python benchmarks/scale_gpu.py --out benchmarks/results/scale_<commit>_<machine>.json
 
 7B runs bf16-mixed with HybridAdamW (all 8-bit states: fp32 states would not leave room in 125 GiB of host RAM
 next to fp32 masters), clip 1.0; the MegaTrain-like baseline is interval:4 with the update after the backward.
@@ -17,6 +17,7 @@ from common import (
     BenchModule,
     RandomTokens,
     cap_gpu_memory,
+    default_out,
     host_model,
     model_flops_per_token,
     print_table,
@@ -31,12 +32,13 @@ from lightning_lazytrain import LazyTrainStrategy
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="benchmarks/results/scale_h200.json")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/scale_<commit>_<machine>.json")
     parser.add_argument("--cap-gib", type=float, default=80.0)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--skip-14b", action="store_true")
     args = parser.parse_args()
+    args.out = args.out or default_out("scale")
     cap_gpu_memory(args.cap_gib)
     seq, rows = 1024, []
     model = host_model("qwen2.5-7b")

@@ -1,6 +1,6 @@
 """One parameter's AdamW update on the GPU: the Triton kernel against the torch reference it replaced.
 
-    python benchmarks/update_kernel_gpu.py --out benchmarks/results/update_kernel_h100.json
+    python benchmarks/update_kernel_gpu.py --out benchmarks/results/update_kernel_<commit>_<machine>.json
 
 For 8-bit and fp32 states, an fp32 master with a bf16 stream copy, 100M elements: the median of 10 updates after
 2 warm-up ones, CUDA events around each. Also the bytes each update must move, to read the time as bandwidth.

@@ -3,7 +3,7 @@
     python benchmarks/update_under_dma_gpu.py --out $OUT/results/update_under_dma_h200.json
 
 At P5 (7B, 24 GiB cap, batch 32) Liger's smaller graphs let the plan move boundaries to CPU homes (25 against 18)
-and the CPU update's busy time went 1.40 -> 2.57 s for the same parameters (``suite_p5_h200.json``). The update
+and the CPU update's busy time went 1.40 -> 2.57 s for the same parameters (``suite_p5_c17ab17_h200.json``). The update
 streams about 16 bytes a parameter through host memory; pinned copies to and from the GPU use the same memory. This
 times ``HybridAdamW.step_params`` (8-bit states, bf16 gradients, clip, bf16 stream copy: the engine's call) on the
 same tensors alone and while a thread keeps device-to-host, host-to-device or both kinds of 256 MiB pinned copies
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import write_results
+from common import default_out, write_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_lazytrain.optim import HybridAdamW  # noqa: E402
@@ -84,8 +84,9 @@ def main() -> None:
     ap.add_argument("--numel", type=float, default=233e6, help="elements per tensor (one 7B decoder layer's worth)")
     ap.add_argument("--tensors", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--out", default="benchmarks/results/update_under_dma.json")
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/update_under_dma_<commit>_<machine>.json")
     args = ap.parse_args()
+    args.out = args.out or default_out("update_under_dma")
     torch.manual_seed(0)
     shapes = [int(args.numel)] * args.tensors
     params = [(torch.randn(n) * 0.02).requires_grad_(True) for n in shapes]

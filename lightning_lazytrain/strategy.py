@@ -57,9 +57,10 @@ class LazyTrainStrategy(CheckpointingStrategy):
             optimization and no gradient accumulation, the engine runs the update per layer on a worker thread from
             bf16 host gradients, hidden behind the next forward. ``.grad`` is then not filled on the host.
         device_update_share: share of the parameters whose update runs on the GPU beside the CPU's (CUDA, overlapped
-            updates): ``0.0`` (default) none; ``None`` chosen from the CPU update rate and link measured at setup;
-            ``"plan"`` the update-placement MILP's split (``milp_updates.py``); other values force that share, also
-            on the CPU accelerator (the torch reference update on copies: a test of the control flow).
+            updates): ``"plan"`` (default) the update-placement MILP's split (``milp_updates.py``), none on the CPU
+            accelerator; ``0.0`` none; ``None`` chosen from the CPU update rate and link measured at setup; other
+            values force that share, also on the CPU accelerator (the torch reference update on copies: a test of
+            the control flow).
         device_update_states: where that share's fp32 masters and optimizer states live between steps: ``"resident"``
             on the GPU, ``"staged"`` copied in and out per update, ``"auto"`` resident on CUDA as far as they fit.
         timeout_s: longest wait for any transfer before an error names it.
@@ -104,7 +105,7 @@ class LazyTrainStrategy(CheckpointingStrategy):
         prefetch_depth: int = 2,
         pin_memory: bool | None = None,
         overlap_updates: bool = True,
-        device_update_share: float | Literal["plan"] | None = 0.0,
+        device_update_share: float | Literal["plan"] | None = "plan",
         device_update_states: DeviceStates = "auto",
         timeout_s: float = 600.0,
         gpu_activation_gib: float | None = None,

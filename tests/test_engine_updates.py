@@ -227,6 +227,7 @@ def test_plan_share_uses_the_milp_split(monkeypatch):
         return seen["flags"], reserve, resident
 
     monkeypatch.setattr(placement, "measure_cpu_update_rate", lambda optimizer: 5e9)  # params/s, H200 link: 55 GB/s
+    monkeypatch.setattr(placement, "PLANNED_DEVICE_TYPES", ("cuda", "cpu"))  # the MILP's split on the CPU accelerator
     monkeypatch.setattr(milp_updates, "solve_updates", solve_spy)
     monkeypatch.setattr(paths, "assign_device_updates", assign_spy)
     model, data = tiny_model("qwen2"), batches(3)
@@ -238,6 +239,24 @@ def test_plan_share_uses_the_milp_split(monkeypatch):
     assert seen["flags"] == want
     assert seen["split"].wait_seconds < milp_updates.forward_wait(seen["problem"], [False] * len(want))
     assert busy.device > 0 and busy.cpu > 0
+    assert rel_diff(lt.model, ref.model) <= 1e-5
+
+
+def test_the_default_share_places_no_update_on_the_cpu_accelerator(monkeypatch):
+    """The default ``device_update_share="plan"`` asks the MILP on CUDA only: on the CPU accelerator no unit goes to
+    the device worker, no scratch update is timed, and the numbers are those of a plain run."""
+    from lightning_lazytrain.engine.updates import placement
+
+    def no_timing(optimizer):
+        raise AssertionError("the CPU update rate was timed for a split on the CPU accelerator")
+
+    monkeypatch.setattr(placement, "measure_cpu_update_rate", no_timing)
+    model, data = tiny_model("qwen2"), batches(3)
+    ref, _ = fit(HybridModule(copy.deepcopy(model)), data, gradient_clip_val=0.05)
+    strategy, busy = LazyTrainStrategy(), BusySeconds()
+    assert strategy.device_updates.share == "plan"
+    lt, _ = fit(HybridModule(copy.deepcopy(model)), data, strategy, gradient_clip_val=0.05, callbacks=[busy])
+    assert busy.device == 0.0 and busy.cpu > 0
     assert rel_diff(lt.model, ref.model) <= 1e-5
 
 

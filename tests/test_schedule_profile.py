@@ -273,7 +273,7 @@ def test_analytic_layer_memory_covers_one_layer_measured_on_an_h100():
 
     from lightning_lazytrain.schedule.layer_memory import analytic_layer_memory, analytic_mlp_recompute_graph
 
-    path = Path(__file__).parent.parent / "benchmarks" / "results" / "layer_memory_h100.json"
+    path = Path(__file__).parent.parent / "benchmarks" / "results" / "layer_memory_577e8ff_h100.json"
     rows = json.loads(path.read_text())["rows"]
     assert len(rows) == 9
     for r in rows:
@@ -300,7 +300,7 @@ def test_analytic_fused_layer_memory_covers_one_layer_measured_on_an_h200():
     from lightning_lazytrain.models.fused_kernels import FusedParts
     from lightning_lazytrain.schedule.layer_memory import analytic_layer_memory
 
-    path = Path(__file__).parent.parent / "benchmarks" / "results" / "layer_kernels_h200.json"
+    path = Path(__file__).parent.parent / "benchmarks" / "results" / "layer_kernels_c17ab17_h200.json"
     rows = {(r["batch"], r["kernels"]): r for r in json.loads(path.read_text())["rows"]}
     hidden, inter, heads, kv = QWEN25["qwen2.5-7b"]
     config = Qwen2Config(hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads,
@@ -323,7 +323,7 @@ def test_analytic_fused_layer_memory_covers_one_layer_measured_on_an_h200():
 def test_the_measured_layer_copies_are_gone_when_measuring_returns(monkeypatch):
     """A fused submodule holds a bound ``forward`` of itself (a reference cycle), so the MLP and attention of the
     profile's device copy outlived it until some garbage collection: 0.5 GiB of an H100's 24 GiB cap at 7B, still
-    allocated at the second step (plan_memory_7b_24g_b32_live.json)."""
+    allocated at the second step (plan_memory_7b_24g_b32_live_2ca99fd_h100.json)."""
     import gc
     import weakref
 

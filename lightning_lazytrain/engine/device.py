@@ -26,7 +26,7 @@ def prefer_expandable_segments() -> bool:
 
     Near a memory cap the streamed layers' varying working sets fragment fixed segments: Qwen2.5-7B at batch 16
     under a 24 GiB cap, and at batch 64 on an 80 GB H100, ran out of memory without it and ran with it
-    (docs/benchmarks.md).
+    (docs/benchmarks_history.md).
     """
     if {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & set(os.environ):
         return False

@@ -2,9 +2,9 @@
 
 The torch reference runs about twenty kernels per parameter (decode through int64 indices, a searchsorted per
 state, the stochastic-rounding hash in int64) and was measured at 0.40 s of GPU time per step for the device share
-of a 3B model on an H100 (``benchmarks/results/ab_3b_resident_h100.json``), work that then competes with the next
-forward. Here one program reads a block of gradients, codes, absmax, masters, and writes them back once: the
-update is bounded by memory bandwidth (about 16 bytes a parameter with 8-bit states).
+of a 3B model on an H100 (``benchmarks/results/archive/ab_3b_resident_4af4b1c_h100.json``), work that then competes
+with the next forward. Here one program reads a block of gradients, codes, absmax, masters, and writes them back
+once: the update is bounded by memory bandwidth (about 16 bytes a parameter with 8-bit states).
 
 Operation by operation the CPU kernel's arithmetic (``_adamw_kernel.c``): fused multiply-adds exactly where it has
 them (``tl.fma``) and nowhere else (``enable_fp_fusion=False``), IEEE division and square root (``div_rn``,

@@ -3,7 +3,7 @@
 Per-layer time is the layer's forward FLOPs (2 x parameters x tokens + the attention's token mixing) over an
 achieved rate, ``ACHIEVED_FRACTION`` of the GPU's published dense bf16 peak. The fraction is what the H200 reached
 in a streamed step: Qwen2.5-7B shape, batch 64 x 1024, 80 GiB cap, 6.40 s of GPU compute (step minus host waits)
-for 3.68e15 executed FLOPs = 575 TFLOP/s of 989 (benchmarks/results/h200.json, commit a0fe04b). Smaller matmuls
+for 3.68e15 executed FLOPs = 575 TFLOP/s of 989 (benchmarks/results/archive/h200.json, commit a0fe04b). Smaller matmuls
 reach less of the peak, so at small batches the prediction is optimistic.
 
 Per-layer graph, working-set and MLP-re-run bytes are the estimates `profile_model` uses off CUDA
@@ -26,7 +26,7 @@ from .profile import SOURCE_KEYS, Profile, _attention_flops
 
 ACHIEVED_FRACTION = 0.58
 # a layer with Liger's norms and SwiGLU (``models/fused_kernels.py``) re-runs its forward in this share of HF's time:
-# 0.90-0.92 at batches 16-144 on an H200, 7B shape (benchmarks/results/layer_kernels_h200.json, "fwd_nograd_ms")
+# 0.90-0.92 at batches 16-144 on an H200, 7B shape (benchmarks/results/layer_kernels_c17ab17_h200.json, "fwd_nograd_ms")
 FUSED_LAYER_TIME = 0.91
 # and with Liger's RoPE too, this share of that: 0.93 at batches 64 and 144, 0.96 at 16 (the same file, "liger+rope")
 FUSED_ROPE_TIME = 0.93

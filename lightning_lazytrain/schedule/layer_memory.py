@@ -98,13 +98,13 @@ def analytic_mlp_recompute_graph(config, layer_type: str, tokens: int, itemsize:
         norms = 2 * 3 * 4 * hidden + itemsize * 3 * hidden
     elif fused_norms:
         # Liger's norm keeps its input and one fp32 value a row: against HF's, no fp32 copies and one hidden-sized
-        # tensor fewer; one layer measured on an H200 (benchmarks/results/layer_kernels_h200.json) has 73,728
+        # tensor fewer; one layer measured on an H200 (benchmarks/results/layer_kernels_c17ab17_h200.json) has 73,728
         # bytes a token less (7B shape), which is 10 bytes a hidden feature and the activation's intermediate
         norms = 3 * itemsize * hidden
     else:
         # each RMSNorm keeps its input cast to fp32 and its normalized output in the stream dtype (the projections'
         # input, the MLP's too); two more hidden-sized tensors: the attention block's output and the layer's.
-        # Against one layer measured on an H100 in bf16 (benchmarks/results/layer_memory_h100.json) the whole
+        # Against one layer measured on an H100 in bf16 (benchmarks/results/layer_memory_577e8ff_h100.json) the whole
         # graph comes to 1.04x (3B, 7B) to 1.06x (14B) of the measurement, this one to 1.11x.
         norms = 2 * (4 + itemsize) * hidden + itemsize * 2 * hidden
     return tokens * (norms + itemsize * _mixer_width(config, layer_type))

@@ -8,7 +8,7 @@ head, the plan's exposed seconds (re-forwards + transfers the links cannot hide,
 optimizer update.
 
 The update is counted as exposed in full: the measured H200 steps waited for nearly all of it (1.14 of 1.27 s of
-update work at 7B batch 64, 0.54 of 0.67 s at 3B batch 8; benchmarks/results/h200.json), because it can start
+update work at 7B batch 64, 0.54 of 0.67 s at 3B batch 8; benchmarks/results/archive/h200.json), because it can start
 only once the gradient norm is known, after the whole backward.
 """
 

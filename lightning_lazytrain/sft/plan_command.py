@@ -38,7 +38,8 @@ from lightning_lazytrain.sft.plan_model import meta_model, model_config
 from lightning_lazytrain.sft.plan_report import render
 from lightning_lazytrain.units import GIB
 
-UPDATE_GPARAMS_PER_S = 4.0  # HybridAdamW, bf16 grads + clip + stream copy, 16-core H200 host (optim_cpu_16core.json)
+# HybridAdamW, bf16 grads + clip + stream copy, 16-core H200 host (optim_cpu_324b44b_cpu16.json)
+UPDATE_GPARAMS_PER_S = 4.0
 
 
 class PlanCLI(LazyTrainCLI):

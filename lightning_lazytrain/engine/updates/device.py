@@ -20,7 +20,8 @@ Everything a device update does is stream work the host only queues, so ``launch
 optimizer step and returns at once; the unit's ``WeightVersions`` hold is a ``CopiedOut``, done when the copy the
 next forward streams is back in host memory. An earlier version ran each unit's launch on one of two worker
 threads that then waited for its copy out. Their Python held the GIL the main thread needed to queue the next
-forward, so it cost the main thread about its own length anyway (``benchmarks/results/gil_convoy_cpu.json``:
+forward, so it cost the main thread about its own length anyway
+(``benchmarks/results/archive/gil_convoy_706f352_cpu2.json``:
 equal for threads and inline), while the step's stats did not show it; now it is the main thread's
 ``device_update_launch_s``. Each unit's views into its device buffer are built once and kept while the host tensors
 they mirror stay the same, which leaves per parameter ``prepare_update`` and the kernel launch.

@@ -14,7 +14,9 @@ device.
 ``share="plan"``: the split of the update-placement MILP (``schedule/milp_updates.py``), which also counts that
 the next forward reaches unit u only after units 0..u-1 have run, so late units may finish later. Each unit's
 forward is taken as its weight copy (stream bytes / H2D rate): a lower estimate, known before any batch is seen.
-Off CUDA the link is the H200's published figures (a test of the control flow, as a fixed share is there).
+It is the strategy's default, so off CUDA (``PLANNED_DEVICE_TYPES``) it places nothing: there is no GPU beside the
+CPU there, and every run on the CPU accelerator would otherwise time a scratch update at setup and send units
+through the torch reference on copies. A fixed share still runs there (a test of the control flow).
 
 ``states="resident"`` keeps a device unit's masters and states on the GPU between steps (``updates/device.py``):
 its update then moves only the stream copy out (masters and states are written back when the queue is drained),
@@ -38,6 +40,7 @@ from lightning_lazytrain.engine.updates.device_kernel import update_work_bytes
 from lightning_lazytrain.engine.weights.layout import ParamUnit
 
 log = logging.getLogger(__name__)
+PLANNED_DEVICE_TYPES = ("cuda",)  # where share="plan" asks the MILP; elsewhere every update stays on the CPU
 
 
 RESIDENT_SHARE_OF_FREE = 0.4  # of the device memory free at setup, what resident masters and states may take
@@ -153,14 +156,15 @@ def check_device_updates(share: float | str | None, states: str = "auto") -> Dev
 
 def assign_device_updates(units: list[ParamUnit], optimizer: torch.optim.Optimizer, choice: DeviceUpdates,
                           device: torch.device, stream_itemsize: int) -> tuple[list[bool], int, bool]:
-    """Which units' update runs on ``device`` (``choice.share`` of the parameters; ``"plan"``: the MILP's split;
-    ``None``: the timing split on CUDA, none elsewhere), the device bytes that holds beside the plan's
-    activations, and whether their masters and states stay on the device (module docstring)."""
+    """Which units' update runs on ``device`` (``choice.share`` of the parameters; ``"plan"``: the MILP's split on
+    CUDA, none elsewhere; ``None``: the timing split on CUDA, none elsewhere), the device bytes that holds beside the
+    plan's activations, and whether their masters and states stay on the device (module docstring)."""
     share = choice.share
     resident = choice.states == "resident" or (choice.states == "auto" and device.type == "cuda")
     traffic = [unit_traffic(u, optimizer, stream_itemsize, resident, device) for u in units]
     if share == "plan":
-        flags = _planned_split(optimizer, traffic, device)
+        planned = device.type in PLANNED_DEVICE_TYPES
+        flags = _planned_split(optimizer, traffic, device) if planned else [False] * len(units)
     elif share is not None:
         flags = split_by_share(traffic, share)
     elif device.type == "cuda":
