@@ -30,10 +30,10 @@ class HostAccumulators:
         """Called before a unit's gradients of one backward arrive: decide overwrite vs accumulate."""
         s = self._sums[unit.index]
         if s.grad is None:
-            s.grad = torch.empty(unit.numel, dtype=torch.float32)
+            s.grad = torch.empty(unit.trainable_numel, dtype=torch.float32)  # frozen parameters get none
             if self.master_dtype != torch.float32:
-                s.param_grad = torch.empty(unit.numel, dtype=self.master_dtype)
-        s.overwrite = any(e.param.grad is None for e in unit.unique)
+                s.param_grad = torch.empty(unit.trainable_numel, dtype=self.master_dtype)
+        s.overwrite = any(e.param.grad is None for e in unit.trained)
 
     def add(self, unit: ParamUnit, offset: int, values: torch.Tensor) -> None:
         """Add (or write, on the first backward after zero_grad) one gradient segment; runs on a worker thread."""
@@ -48,13 +48,13 @@ class HostAccumulators:
         """After all segments of a backward landed: zero what got no gradient, expose ``.grad`` views."""
         s = self._sums[unit.index]
         if s.overwrite:
-            for start, stop in _uncovered(unit.numel, covered):
+            for start, stop in _uncovered(unit.trainable_numel, covered):
                 s.grad[start:stop].zero_()
         grad = s.grad
         if s.param_grad is not None:
             s.param_grad.copy_(grad)
             grad = s.param_grad
-        for entry in unit.unique:
+        for entry in unit.trained:
             view = grad[entry.offset : entry.offset + entry.numel].view(entry.shape)
             if entry.param.grad is None or entry.param.grad.data_ptr() != view.data_ptr():
                 entry.param.grad = view
