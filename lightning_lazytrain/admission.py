@@ -282,11 +282,11 @@ def admission(executor: StreamingExecutor, optimizer: torch.optim.Optimizer | No
     else:
         state_bpp, state_held = optimizer_state_bytes_per_param(optimizer, trainable)
     held = state_held
-    for unit in store.units:
-        if shared is None or unit.master.untyped_storage().data_ptr() != shared.untyped_storage().data_ptr():
-            held += unit.master.numel() * unit.master.element_size()
-        if shared is None and unit.stream.data_ptr() != unit.master.data_ptr():
-            held += unit.stream.numel() * unit.stream.element_size()
+    if shared is None:
+        held += store.held_bytes  # masters of the trainable prefix, the streamed copy (frozen weights in it)
+    else:
+        held += sum(u.master.numel() * u.master.element_size() for u in store.units
+                    if u.master.untyped_storage().data_ptr() != shared.untyped_storage().data_ptr())
     held += executor.sink.held_bytes()  # gradient buffers already allocated
     if shared is not None:
         held = held * ranks_per_host + shared.numel() * shared.element_size()

@@ -4,6 +4,8 @@ Files go through ``AtomicCheckpointIO`` (atomic saves, loads verified against a 
 A ``last*.ckpt`` that does not verify is swapped for the newest checkpoint beside it that does. The model and
 optimizer states are the module's and the optimizer's own unless the engine holds them in its own layout (rank
 shards with several processes); the file layout (one file or a directory of shards) is the parallel layer's.
+A run over a frozen base (LoRA) saves only the trainable weights and a fingerprint of the base
+(``checkpoint/trainable.py``), checked when the checkpoint is loaded.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_lazytrain.checkpoint import sharded as sharded_checkpoint
+from lightning_lazytrain.checkpoint import trainable
 from lightning_lazytrain.checkpoint.atomic import AtomicCheckpointIO, CorruptCheckpointError
 from lightning_lazytrain.parallel import ProcessGroupStrategy
 from lightning_lazytrain.resume import STATE_KEY, ResumeState, fallback_for_last
@@ -75,7 +78,12 @@ class CheckpointingStrategy(ProcessGroupStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         state = self.executor.model_state() if self.executor is not None else None
-        return state if state is not None else super().lightning_module_state_dict()
+        if state is not None:
+            return state
+        state = super().lightning_module_state_dict()
+        if trainable.has_frozen_base(self.lightning_module):
+            return trainable.trainable_state(state, self.lightning_module)
+        return state
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -85,6 +93,8 @@ class CheckpointingStrategy(ProcessGroupStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
         checkpoint[STATE_KEY] = self.resume.dump()
+        if not self.distributed and trainable.has_frozen_base(self.lightning_module):
+            checkpoint[trainable.BASE_KEY] = trainable.base_fingerprint(self.lightning_module)
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
@@ -102,11 +112,17 @@ class CheckpointingStrategy(ProcessGroupStrategy):
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             refuse_weights_only_resume(checkpoint, str(checkpoint_path))
         self.resume.load(checkpoint.get(STATE_KEY))
+        self._loaded_path = str(checkpoint_path)
         return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if self.executor is not None and self.executor.load_model_state(checkpoint["state_dict"]):
+            return
+        if trainable.BASE_KEY in checkpoint:
+            path = getattr(self, "_loaded_path", "the checkpoint")
+            trainable.check_base(checkpoint[trainable.BASE_KEY], self.lightning_module, path)
+            trainable.load_trainable_state(self.lightning_module, checkpoint["state_dict"], path)
             return
         # the model's load hooks (engine/hooks.py) wait for queued updates first and refresh what mirrors the masters
         super().load_model_state_dict(checkpoint, strict=strict)

@@ -45,8 +45,9 @@ def test_recipe_parses(recipe, capsys):
         assert strategy["init_args"]["schedule"] == "milp"
     assert cfg["seed_everything"] == 42
     if recipe.stem != "demo":
-        # the paper's hyper-parameters
-        assert cfg["model"]["lr"] == 1e-5 and cfg["model"]["weight_decay"] == 0.01
+        # the paper's hyper-parameters (a LoRA recipe: LoRA's usual 1e-4)
+        assert cfg["model"]["lr"] == (1e-4 if cfg["model"].get("lora") else 1e-5)
+        assert cfg["model"]["weight_decay"] == 0.01
         assert cfg["model"]["betas"] == [0.9, 0.999] and cfg["model"]["eps"] == 1e-8
         assert cfg["trainer"]["gradient_clip_val"] == 1.0 and cfg["trainer"]["precision"].startswith("bf16")
         assert cfg["data"]["max_seq_length"] == 1024 and cfg["data"]["val_fraction"] == 0.3

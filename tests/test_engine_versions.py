@@ -23,7 +23,7 @@ def _store(master_dtype=torch.float32, stream_dtype=torch.bfloat16) -> HostParam
 
 def test_units_carry_only_their_layout():
     fields = set(ParamUnit.__dataclass_fields__)
-    assert fields == {"index", "label", "entries", "numel", "master", "stream", "unique"}
+    assert fields == {"index", "label", "entries", "numel", "master", "stream", "unique", "trainable_numel"}
 
 
 def test_store_casts_the_streamed_copy_at_build_and_after_masters_change():

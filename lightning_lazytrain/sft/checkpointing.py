@@ -43,6 +43,11 @@ def optimizer_state_bytes(optimizers: list[torch.optim.Optimizer]) -> int:
     return total
 
 
+def saved_params(pl_module: pl.LightningModule) -> int:
+    """Parameters a checkpoint holds: the trainable ones (a frozen base is left out, ``checkpoint/trainable.py``)."""
+    return sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
+
+
 class ResumableModelCheckpoint(ModelCheckpoint):
     """Lightning's ``ModelCheckpoint`` (same arguments), plus:
 
@@ -73,12 +78,12 @@ class ResumableModelCheckpoint(ModelCheckpoint):
 
     def checkpoint_size(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
         """Estimated bytes of one checkpoint this callback saves (what :meth:`check_disk` multiplies)."""
-        num_params = sum(p.numel() for p in pl_module.parameters())
+        num_params = saved_params(pl_module)
         return checkpoint_bytes(num_params, str(trainer.precision), self.state_bytes_per_param(trainer, num_params))
 
     def check_disk(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Raise :class:`CheckpointDiskError` when the checkpoints this run keeps exceed the free disk."""
-        num_params = sum(p.numel() for p in pl_module.parameters())
+        num_params = saved_params(pl_module)
         state = self.state_bytes_per_param(trainer, num_params)
         precision = str(trainer.precision)
         saves = self._saves(trainer)

@@ -37,7 +37,8 @@ from omegaconf.errors import OmegaConfBaseException
 # Importing the package is what registers the "lazytrain" strategy names in Lightning's StrategyRegistry; it must
 # happen before LightningCLI resolves `trainer.strategy`.
 import lightning_lazytrain  # noqa: F401
-from lightning_lazytrain.checkpoint.hf_export import export_dtype, export_hf
+from lightning_lazytrain.checkpoint.adapter_export import export_model
+from lightning_lazytrain.checkpoint.hf_export import export_dtype
 from lightning_lazytrain.engine.device import prefer_expandable_segments
 from lightning_lazytrain.sft.data.errors import DataError, DataSettingError
 from lightning_lazytrain.sft.data.settings import check_settings
@@ -94,6 +95,8 @@ class LazyTrainCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001 - jsonargparse's parser type
         parser.add_argument("--export_dir", type=str | None, default=None,
                             help="after fit, save the model + tokenizer here as an HF directory (safetensors)")
+        parser.add_argument("--export_merged_dir", type=str | None, default=None,
+                            help="LoRA: also write the merged model (adapters folded into the base) here")
         parser.add_argument("--export_dtype", type=str | None, default="bfloat16",
                             help="dtype of the exported weights (bfloat16, float16, float32; null: as trained)")
         parser.add_argument("--cpu_heap_cache", type=bool, default=True,
@@ -145,8 +148,8 @@ class LazyTrainCLI(LightningCLI):
     def after_fit(self) -> None:
         config = self.config[self.subcommand]
         if config.get("export_dir") and self.trainer.is_global_zero:
-            export_hf(self.model.model, config["export_dir"], tokenizer=self.model.tokenizer,
-                      dtype=config.get("export_dtype"))
+            export_model(self.model.model, config["export_dir"], tokenizer=self.model.tokenizer,
+                         dtype=config.get("export_dtype"), merged_dir=config.get("export_merged_dir"))
 
 
 def remove_empty_log_dirs(trainer: Trainer) -> None:

@@ -22,6 +22,7 @@ from lightning_lazytrain.sft.data.examples import IGNORE_INDEX
 from lightning_lazytrain.sft.data.packing import model_inputs
 from lightning_lazytrain.sft.data.tokenizer import end_of_turn_id, load_tokenizer
 from lightning_lazytrain.sft.eval_prompts import EvalPrompts, new_token_count
+from lightning_lazytrain.sft.lora import LoraOptions, add_adapters, check_lora
 from lightning_lazytrain.sft.model_loading import (
     NAMED_SHAPES,
     DTypeName,
@@ -67,6 +68,8 @@ class CausalLMModule(pl.LightningModule):
             (``0`` turns generation off, leaving loss and token accuracy). The evaluation's prompts are gathered
             and decoded together at its end, ``generate_batch_size`` at a time (``None``: all in one call, which
             lazytrain splits by device memory; set it under strategies that do not).
+        lora: LoRA adapters over the frozen model (``sft/lora.py``; ``--model.lora.r 16``); ``None`` trains all
+            of it.
     """
 
     def __init__(
@@ -93,10 +96,15 @@ class CausalLMModule(pl.LightningModule):
         max_new_tokens: int = 64,
         max_generate_samples: int | None = 128,
         generate_batch_size: int | None = None,
+        lora: LoraOptions | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         check_source(pretrained, model_config)  # the model itself is built in configure_model
+        # LightningCLI and load_from_checkpoint hand the block over as a dict
+        self._lora = LoraOptions(**lora) if isinstance(lora, dict) else lora
+        if self._lora is not None:
+            check_lora(self._lora)
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._prompts = EvalPrompts()
 
@@ -135,8 +143,9 @@ class CausalLMModule(pl.LightningModule):
         hp = self.hparams
         if "model" not in self._modules:
             # nn.Module.__setattr__ files a module under _modules, where the property above reads it
-            self.model = build_model(hp.pretrained, hp.model_config, hp.dtype, hp.trust_remote_code,
-                                     hp.attn_implementation, hp.revision, hp.cache_dir, hp.local_files_only)
+            model = build_model(hp.pretrained, hp.model_config, hp.dtype, hp.trust_remote_code,
+                                hp.attn_implementation, hp.revision, hp.cache_dir, hp.local_files_only)
+            self.model = add_adapters(model, self._lora) if self._lora is not None else model
         if self._trainer is not None:  # the tokenizer is the datamodule's only once a Trainer runs the module
             seq = getattr(getattr(self._trainer.datamodule, "hparams", None), "max_seq_length", None)
             if isinstance(seq, int):

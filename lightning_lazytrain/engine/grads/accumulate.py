@@ -34,9 +34,9 @@ class HostAccumulators:
         accumulate."""
         s = self._sums[unit.index]
         if s.grad is None:
-            s.grad = torch.empty(unit.numel, dtype=torch.float32)
+            s.grad = torch.empty(unit.trainable_numel, dtype=torch.float32)  # frozen parameters get none
             if self.master_dtype != torch.float32:
-                s.param_grad = torch.empty(unit.numel, dtype=self.master_dtype)
+                s.param_grad = torch.empty(unit.trainable_numel, dtype=self.master_dtype)
         s.fresh = [e.param.grad is None for e in unit.unique]
 
     def add(self, unit: ParamUnit, entry: int, offset: int, values: torch.Tensor) -> None:

@@ -25,7 +25,7 @@ class DirectGradSink(HandoffSink):
         for unit, flag in zip(store.units, on_device or [False] * len(store.units), strict=True):
             grads = self.of(unit)
             grads.on_device = flag
-            grads.host = None if flag else store.pinned.empty(unit.numel, dtype)
+            grads.host = None if flag else store.pinned.empty(unit.trainable_numel, dtype)  # none for frozen
 
     def submit(self, unit: ParamUnit, grads: list[torch.Tensor | None]) -> None:
         self.store.versions.wait(unit)  # its update reads the gradient buffer this overwrites
@@ -39,7 +39,7 @@ class DirectGradSink(HandoffSink):
             return
         self.queues.wait(ready, self.queues.d2h)
         with self.queues.on(self.queues.d2h):
-            for entry, grad in zip(unit.unique, grads):
+            for entry, grad in zip(unit.trained, grads):
                 target = handoff.host[entry.offset : entry.offset + entry.numel]
                 if grad is None:
                     target.zero_()

@@ -117,7 +117,7 @@ def direct_path(store: HostParamStore, queues: DeviceQueues, optimizer: torch.op
     if store.master_dtype != store.stream_dtype:
         managed = managed_ids(optimizer)
         for unit in units:
-            for e in unit.unique:
+            for e in unit.trained:
                 if id(e.param) in managed:
                     optimizer.register_stream_copy(e.param, unit.stream[e.offset : e.offset + e.numel].view(e.shape))
     device_units = [u for u, flag in zip(units, on_device, strict=True) if flag]

@@ -4,7 +4,9 @@ A *unit* (``layout.ParamUnit``) is what moves as one piece: one decoder layer, o
 final norm, head). Each unit owns one flat master buffer, and the module's parameters are re-pointed to views of
 it, so the optimizer, ``state_dict`` and ``load_state_dict`` all see ordinary CPU parameters while the engine moves
 one contiguous block. The streamed copy (bf16 under bf16-mixed) is a second flat buffer, pinned once here; where
-the master already has the compute dtype the master itself is pinned and streamed. Which version of each unit the
+the master already has the compute dtype the master itself is pinned and streamed. The masters cover only the
+unit's trainable prefix (``layout.py``): a frozen parameter (a LoRA base) is held once, as its streamed copy, and
+the module's parameter views that copy (bf16 under bf16-mixed). Which version of each unit the
 buffers hold, and whether an update is still writing them, is ``versions.WeightVersions``'s (``store.versions``).
 """
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_lazytrain.engine.weights.layout import ParamUnit, collect_entries
+from lightning_lazytrain.engine.weights.layout import ParamUnit, collect_entries, trainable_numel
 from lightning_lazytrain.engine.weights.pinned import PinnedAllocator
 from lightning_lazytrain.engine.weights.versions import WeightVersions
 
@@ -44,14 +46,23 @@ class HostParamStore:
 
     def _build_unit(self, index: int, label: str, modules: list[nn.Module]) -> ParamUnit:
         entries, unique, total = collect_entries(modules)
-        same = self.master_dtype == self.stream_dtype
-        master = self.pinned.empty(total, self.master_dtype) if same else torch.empty(total, dtype=self.master_dtype)
+        trained = trainable_numel(unique)
+        if self.master_dtype == self.stream_dtype:
+            stream = master = self.pinned.empty(total, self.master_dtype)
+        else:
+            master, stream = torch.empty(trained, dtype=self.master_dtype), self.pinned.empty(total, self.stream_dtype)
         for entry in unique:
-            view = master[entry.offset : entry.offset + entry.numel].view(entry.shape)
+            home = master if entry.offset < trained else stream
+            view = home[entry.offset : entry.offset + entry.numel].view(entry.shape)
             view.copy_(entry.param.data)
             entry.param.data = view
-        stream = master if same else self.pinned.empty(total, self.stream_dtype)
-        return ParamUnit(index, label, entries, total, master, stream, unique=unique)
+        return ParamUnit(index, label, entries, total, master, stream, unique=unique, trainable_numel=trained)
+
+    @property
+    def held_bytes(self) -> int:
+        """Host bytes of every unit's masters and streamed copy (one buffer where they are the same)."""
+        return sum(_nbytes(u.master) + (_nbytes(u.stream) if u.stream.data_ptr() != u.master.data_ptr() else 0)
+                   for u in self.units)
 
     @property
     def num_params(self) -> int:
@@ -67,3 +78,7 @@ class HostParamStore:
 
     def close(self) -> None:
         self.pinned.release()
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

@@ -73,7 +73,7 @@ class WeightVersions:
         self.wait(unit)
         if self._stale[unit.index]:
             if unit.stream.data_ptr() != unit.master.data_ptr():
-                unit.stream.copy_(unit.master)
+                unit.stream[: unit.trainable_numel].copy_(unit.master)  # frozen parameters live in the stream copy
             self.generation[unit.index] += 1
             self._stale[unit.index] = False
         return self.generation[unit.index]

@@ -1,0 +1,58 @@
+"""The SFT module's ``lora:`` block: LoRA adapters over a frozen base, built with peft's own ``LoraConfig``.
+
+``CausalLMModule(lora=LoraOptions(r=16))`` (in a recipe ``model.lora.r: 16``, on the command line
+``--model.lora.r 16``) wraps the built model with ``peft.get_peft_model``; everything but the adapters is then
+frozen, and lazytrain holds that base once, as its streamed copy, and saves only the adapters in checkpoints.
+peft is the ``lora`` extra (``pip install lightning-lazytrain[lora]``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from torch import nn
+
+#: the linear layers of a Qwen/Llama decoder layer (attention and MLP projections)
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class LoraOptions:
+    """LoRA settings (peft's ``LoraConfig`` names): rank ``r``, scale ``alpha / r``, dropout on the adapter input,
+    the module names adapted. ``quantize``: the base's storage; ``nf4``/``fp4`` (QLoRA) are refused at setup for
+    now: the host store does not keep bitsandbytes' packed 4-bit layout yet."""
+
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: list(ALL_LINEAR))
+    quantize: Literal["none", "nf4", "fp4"] = "none"
+
+
+def check_lora(options: LoraOptions) -> None:
+    """Refuse settings that cannot work, naming what to change (at module construction, before any loading)."""
+    if options.r < 1:
+        raise ValueError(f"lora.r must be at least 1, got {options.r}")
+    if not 0.0 <= options.dropout < 1.0:
+        raise ValueError(f"lora.dropout must be in [0, 1), got {options.dropout}")
+    if not options.target_modules:
+        raise ValueError(f"lora.target_modules is empty: name the linear layers to adapt, e.g. {ALL_LINEAR}")
+    if options.quantize != "none":
+        raise ValueError(
+            f"lora.quantize: {options.quantize} (QLoRA) is not supported yet: lazytrain's host store does not keep"
+            " bitsandbytes' packed 4-bit layout, so the streamed layers would fail in its kernels. Use"
+            " lora.quantize: none (a bf16 base, 2 bytes per base parameter on the host)")
+    try:
+        import peft  # noqa: F401
+    except ImportError as exc:
+        raise ImportError("model.lora needs peft: pip install 'lightning-lazytrain[lora]'") from exc
+
+
+def add_adapters(model: nn.Module, options: LoraOptions) -> nn.Module:
+    """``model`` wrapped by peft with LoRA on ``options.target_modules``; its other parameters frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=options.r, lora_alpha=options.alpha, lora_dropout=options.dropout,
+                        target_modules=list(options.target_modules), task_type="CAUSAL_LM")
+    return get_peft_model(model, config)

@@ -1,0 +1,79 @@
+"""A LoRA run's host store holds the frozen base once, as the copy it streams, and admission counts that."""
+
+import collections
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers import batches, train
+from lora_models import AdapterModule, HybridAdapterModule, tiny_lora, trainable_and_frozen
+
+import lightning_lazytrain.admission as admission
+
+Mem = collections.namedtuple("Mem", "available")
+_AVAILABLE = 1 << 40
+
+
+class _Seen:
+    """What the strategy's admission check was asked, and the store and sink after the run."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.kw: dict = {}
+        real = admission.admission_report
+
+        def spy(**kw):
+            self.kw.update(kw)
+            return real(**kw)
+
+        monkeypatch.setattr(admission, "admission_report", spy)
+        monkeypatch.setattr(admission.psutil, "virtual_memory", lambda: Mem(available=_AVAILABLE))
+
+    @property
+    def held(self) -> int:
+        return self.kw["host_have_bytes"] - _AVAILABLE
+
+
+class _Bytes(pl.Callback):
+    """The store's and the gradient sink's host bytes after the first step (the executor is gone after fit)."""
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        executor = trainer.strategy.executor
+        self.store, self.sink = executor.store.held_bytes, executor.sink.held_bytes()
+        self.streams = {u.stream.untyped_storage().data_ptr() for u in executor.store.units}
+
+
+@pytest.mark.parametrize(("module_cls", "grad_bytes"), [(HybridAdapterModule, 2), (AdapterModule, 4)],
+                         ids=["engine-update-bf16-grads", "torch-adamw-fp32-grads"])
+def test_bf16_mixed_store_holds_the_frozen_base_once_in_bf16(monkeypatch, module_cls, grad_bytes):
+    seen = _Seen(monkeypatch)
+    model = tiny_lora()
+    trained, frozen = trainable_and_frozen(model)
+    assert frozen > 50 * trained
+    held = _Bytes()
+    module, trainer = train(model, batches(1), strategy="lazytrain", precision="bf16-mixed", max_steps=1,
+                            module_cls=module_cls, callbacks=[held])
+    assert held.store == 4 * trained + 2 * (trained + frozen)
+    assert held.sink == grad_bytes * trained
+    report = admission.admission_report(**seen.kw)
+    pieces = report.tiers["host"].pieces
+    assert pieces["master weights"] == 4 * trained and pieces["frozen weights"] == 2 * frozen
+    assert pieces["streamed bf16 copy"] == 2 * trained and pieces["gradients"] == grad_bytes * trained
+    # the report's weight pieces are what the store holds, and the setup's measure of the run's holdings saw it
+    assert held.store == pieces["master weights"] + pieces["streamed bf16 copy"] + pieces["frozen weights"]
+    assert seen.held >= held.store
+    for p in module.model.parameters():
+        if not p.requires_grad:
+            assert p.dtype == torch.bfloat16 and p.grad is None
+            assert p.untyped_storage().data_ptr() in held.streams
+
+
+def test_32_true_store_keeps_one_buffer_and_no_frozen_gradients(monkeypatch):
+    seen = _Seen(monkeypatch)
+    model = tiny_lora()
+    trained, frozen = trainable_and_frozen(model)
+    held = _Bytes()
+    module, _ = train(model, batches(1), strategy="lazytrain", max_steps=1, module_cls=AdapterModule, callbacks=[held])
+    assert held.store == 4 * (trained + frozen)
+    assert held.sink == 4 * trained
+    assert seen.kw["num_params"] == trained and seen.kw["frozen_params"] == frozen
+    assert all(p.grad is None for p in module.model.parameters() if not p.requires_grad)
