@@ -183,7 +183,7 @@ def test_state_dict_exact_resume(frac, dtype):
 
 @needs_kernel
 def test_kernel_builds_where_a_compiler_exists():
-    assert kernel_available(), kernel_module._error
+    assert kernel_available(), kernel_module._errors
     assert kernel_path().startswith("c/")
     assert HybridAdamW([torch.zeros(3, requires_grad=True)]).kernel_path == kernel_path()
 
