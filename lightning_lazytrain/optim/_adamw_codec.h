@@ -102,14 +102,17 @@ static void enc_build(lt_enc *E, const float *thr) {
 }
 
 /* Bucket encoder (AVX2 and NEON paths): the bits of a positive float, from octave LT_OCT0 on, cut into buckets of
- * 2^(23 - LT_BK) floats; bkt_build checks that no bucket holds more than one threshold, so the count below a
- * value is the count below its bucket (a table of bytes) plus one compare with the next threshold. Exact by
- * construction, two table loads and no search: what the gathers of AVX2 and the scalar loads of NEON do well. */
+ * 2^16 floats (2^LT_BK per octave); bkt_build checks that no bucket holds more than one threshold, so the count
+ * below a value is the count below its bucket plus one compare with that threshold, whose high bits are the
+ * bucket's: one 32-bit table entry holds the count (high half) and the threshold's low 16 bits (0xffff where the
+ * bucket has none, which no value's low bits exceed). Exact by construction, one table load and no search: one
+ * gather on AVX2, a scalar load on NEON. The first and last buckets, which take every value below and above the
+ * octaves, must hold no threshold. */
 #define LT_BK 7
 #define LT_NBKT (32 << LT_BK)
 typedef struct {
-    uint8_t below[LT_NBKT + 4]; /* thresholds >= 0 below the bucket's first float (+4: 32-bit gathers read on) */
-    int32_t nneg;               /* thresholds below 0 (mirror images of the first nneg of P) */
+    uint32_t entry[LT_NBKT];
+    int32_t nneg; /* thresholds below 0 (mirror images of the first nneg of P) */
     int32_t ok;
 } lt_bkt;
 static lt_bkt g_bkt[2] __attribute__((aligned(64)));
@@ -127,25 +130,23 @@ static void bkt_build(lt_bkt *K, const float *thr) {
     const int np = 255 - nneg;
     int c = 0;
     for (int j = 0; j < LT_NBKT; j++) {
-        const int32_t lo = j ? (int32_t)((LT_OCT0 << LT_BK) + j) << (23 - LT_BK) : INT32_MIN;
-        while (c < np && (int32_t)f2u(P[c]) < lo) c++;
-        K->below[j] = (uint8_t)c;
-        if (j && c - K->below[j - 1] > 1) K->ok = 0;
+        const int64_t hi = j < LT_NBKT - 1 ? (int64_t)((LT_OCT0 << LT_BK) + j + 1) << (23 - LT_BK) : INT64_MAX;
+        const int below = c;
+        while (c < np && (int64_t)f2u(P[c]) < hi) c++;
+        if (c - below > 1 || (c > below && (j == 0 || j == LT_NBKT - 1))) K->ok = 0;
+        K->entry[j] = (uint32_t)below << 16 | (c > below ? f2u(P[below]) & 0xffffu : 0xffffu);
     }
-    if (np - K->below[LT_NBKT - 1] > 1) K->ok = 0;
-    memset(K->below + LT_NBKT, 0, 4);
 }
 
 /* = encode(which, x) where bkt_build passed. a: the bits counted against the non-negative thresholds P (signed
- * map: |x|, one float up for a negative x, so that ties go to the lower code); every compare is on the bits of
- * non-negative floats, so it is an integer compare. NaN, whose bits lie above +inf, gives 0 as encode does. */
+ * map: |x|, one float up for a negative x, so that ties go to the lower code). NaN gives 0 as encode does. */
 static inline uint8_t bkt_encode(int which, float x) {
     const lt_bkt *K = &g_bkt[which];
     const int32_t u = (int32_t)f2u(x), neg = which == 0 && u < 0;
     const int32_t a = which == 0 ? (u & 0x7fffffff) + neg : u;
     if ((u & 0x7fffffff) > 0x7f800000) return 0;
-    const int32_t b = K->below[bkt_index(a)];
-    const int32_t c = b + ((int32_t)f2u(g_thr[which][K->nneg + b]) < a);
+    const uint32_t e = K->entry[bkt_index(a)];
+    const int32_t c = (int32_t)(e >> 16) + (((uint32_t)a & 0xffffu) > (e & 0xffffu));
     const int32_t code = neg ? K->nneg - c : K->nneg + c;
     return (uint8_t)(code < 0 ? 0 : code > 255 ? 255 : code);
 }
