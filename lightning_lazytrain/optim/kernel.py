@@ -36,6 +36,7 @@ __all__ = [
     "kernel_path",
     "find_compiler",
     "runnable_paths",
+    "compile_flags",
     "PATH_ENV",
     "LtArgs",
     "kernel_encode",
@@ -48,8 +49,11 @@ _FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-shared", 
 _AVX512 = ["-mavx2", "-mfma", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl"]
 # path -> (LT_PATH of _adamw_kernel.c, compiler flags, /proc/cpuinfo flags it needs), fastest first per ISA.
 _PATH_FLAGS: dict[str, tuple[int, list[str], set[str]]] = {
-    "c/avx512vbmi": (2, [*_AVX512, "-mavx512vbmi"], {"avx2", "fma", "avx512f", "avx512dq", "avx512bw", "avx512vl",
-                                                      "avx512vbmi"}),
+    "c/avx512vbmi": (
+        2,
+        [*_AVX512, "-mavx512vbmi"],
+        {"avx2", "fma", "avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512vbmi"},
+    ),
     "c/avx512f": (1, _AVX512, {"avx2", "fma", "avx512f", "avx512dq", "avx512bw", "avx512vl"}),
     "c/avx2": (3, ["-mavx2", "-mfma"], {"avx2", "fma"}),
     "c/neon": (4, [], {"asimd"}),
@@ -136,9 +140,14 @@ def _chosen_path() -> str:
     return forced
 
 
-def _build(cc: str, path: str) -> Path:
+def compile_flags(path: str) -> list[str]:
+    """The compiler flags of the kernel's ``path`` (the test of the NEON path cross-compiles with them)."""
     level, extra, _ = _PATH_FLAGS[path]
-    flags = [*_FLAGS, *extra, f"-DLT_PATH={level}"]
+    return [*_FLAGS, *extra, f"-DLT_PATH={level}"]
+
+
+def _build(cc: str, path: str) -> Path:
+    flags = compile_flags(path)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     key = hashlib.sha256(
         b"\0".join(
