@@ -209,6 +209,7 @@ class LazyTrainStrategy(CheckpointingStrategy):
             self.admission_report = report = admission(self.executor, optimizer, precision.precision, *self.host_share)
             report.check()
             log.info("lazytrain admission:\n%s", report.table())
+            log.info("lazytrain CPU update path: %s", getattr(optimizer, "kernel_path", type(optimizer).__name__))
             install_weight_averaging_sync(trainer, self.executor)
         self.setup_precision_plugin()
 

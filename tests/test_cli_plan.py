@@ -98,7 +98,15 @@ def test_json_answer_follows_the_overrides(tmp_path):
     # while the next one is written; a 7B full-state checkpoint is "about 90 GB" (issue 14)
     (ckpt,) = answer["asked"]["tiers"]["checkpoint"]["pieces"].values()
     assert ckpt == 3 * int(answer["model"]["params"] * (4 + 8 - 6 * 0.02)) and ckpt / 3 == pytest.approx(90e9, rel=0.02)
-    assert answer["asked"]["prediction"]["update_s"] == pytest.approx(answer["model"]["params"] / 4.0e9)
+    # the update rate: HybridAdamW's, measured on this host's kernel path with the recipe's 2% 8-bit states
+    from lightning_lazytrain.optim import kernel_path
+    from lightning_lazytrain.optim.update_rate import host_update_rate
+
+    assert answer["host"]["update_source"] == f"HybridAdamW measured here, kernel path {kernel_path()}"
+    assert answer["host"]["update_params_per_s"] == pytest.approx(host_update_rate(0.02)[0])  # the cached rate
+    assert answer["asked"]["prediction"]["update_s"] == pytest.approx(
+        answer["model"]["params"] / answer["host"]["update_params_per_s"]
+    )
 
 
 def test_a_hub_name_with_no_config_anywhere_names_the_fix(tmp_path, monkeypatch):

@@ -7,7 +7,7 @@ import torch
 
 from lightning_lazytrain.optim import HybridAdamW, kernel_available
 from lightning_lazytrain.optim import kernel as kernel_module
-from lightning_lazytrain.optim.kernel import KernelUnavailable, find_compiler, kernel_path
+from lightning_lazytrain.optim.kernel import PATH_ENV, KernelUnavailable, find_compiler, kernel_path, runnable_paths
 
 # Skipped only where no compiler exists: with one, a kernel that fails to build fails these tests.
 needs_kernel = pytest.mark.skipif(find_compiler() is None, reason="no C compiler for the fused kernel")
@@ -45,10 +45,12 @@ def test_fraction0_matches_torch_adamw(use_kernel):
 
 
 @needs_kernel
+@pytest.mark.parametrize("path", runnable_paths())
 @pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("frac", [0.0, 1.0])
-def test_kernel_matches_reference(param_dtype, grad_dtype, frac):
+def test_kernel_matches_reference(monkeypatch, path, param_dtype, grad_dtype, frac):
+    monkeypatch.setenv(PATH_ENV, path)
     n = 3 * 4096 + 123  # a ragged last block
     # Seeded: about 1 start in 300 puts an element where torch's and the kernel's one-ulp-apart update round to
     # different bf16 values, which would make the exact stream-copy comparison below flaky.
@@ -56,6 +58,7 @@ def test_kernel_matches_reference(param_dtype, grad_dtype, frac):
     pk, pr = p0.clone(), p0.clone()
     ok = HybridAdamW([pk], lr=1e-2, eight_bit_fraction=frac, use_kernel=True)
     orf = HybridAdamW([pr], lr=1e-2, eight_bit_fraction=frac, use_kernel=False)
+    assert ok.kernel_path == path
     ck, cr = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
     ok.register_stream_copy(pk, ck)
     orf.register_stream_copy(pr, cr)
@@ -183,7 +186,7 @@ def test_state_dict_exact_resume(frac, dtype):
 
 @needs_kernel
 def test_kernel_builds_where_a_compiler_exists():
-    assert kernel_available(), kernel_module._error
+    assert kernel_available(), kernel_module._errors
     assert kernel_path().startswith("c/")
     assert HybridAdamW([torch.zeros(3, requires_grad=True)]).kernel_path == kernel_path()
 

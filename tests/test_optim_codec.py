@@ -4,7 +4,7 @@ import bitsandbytes.functional as F  # the reference format; the test extra inst
 import pytest
 import torch
 
-from lightning_lazytrain.optim.kernel import fast_encoder, find_compiler, kernel_encode
+from lightning_lazytrain.optim.kernel import fast_encoder, find_compiler, kernel_encode, runnable_paths
 from lightning_lazytrain.optim.quant import (
     dequantize_blockwise,
     dynamic_map,
@@ -105,15 +105,16 @@ def _encoder_cases(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.skipif(find_compiler() is None, reason="no C compiler for the fused kernel")
+@pytest.mark.parametrize("path", runnable_paths())
 @pytest.mark.parametrize("signed", [True, False])
-def test_kernel_encoder_is_exact(signed):
-    if torch.backends.cpu.get_cpu_capability() == "AVX512":
-        assert fast_encoder()  # the table-driven encoder accepted both maps (else: the plain search)
+def test_kernel_encoder_is_exact(path, signed):
+    if path != "c/scalar":
+        assert fast_encoder(path)  # the table-driven encoder accepted both maps (else: the plain search)
     x, tie = _encoder_cases(signed)
-    got = kernel_encode(x, signed)
+    got = kernel_encode(x, signed, path)
     assert torch.equal(got, encode_normalized(x, signed))  # the torch reference (searchsorted on thresholds)
     code, _ = quant_tables(signed)
     plain = x.isfinite() & (x.abs() <= 1) & ~tie
     assert torch.equal(got[plain].long(), nearest_code(x[plain], code))  # nearest, ties to the lower code
-    assert torch.equal(kernel_encode(x[:1000], signed), got[:1000])  # the scalar tail agrees with the vector body
-    assert torch.equal(kernel_encode(x[:63], signed), got[:63])
+    assert torch.equal(kernel_encode(x[:1000], signed, path), got[:1000])  # the scalar tail = the vector body
+    assert torch.equal(kernel_encode(x[:63], signed, path), got[:63])

@@ -1,5 +1,6 @@
 /* 8-bit codec of the fused AdamW kernel (included by _adamw_kernel.c): the bitsandbytes dynamic map's exact
- * nearest-code encoder and its decoder, vectorized for AVX-512 with the plain search as the fallback. */
+ * nearest-code encoder and its decoder, vectorized for AVX-512 with the plain search as the fallback, and the
+ * bucket encoder the AVX2 and NEON paths vectorize. */
 static float g_code[2][256], g_thr[2][256];
 
 /* Nearest code = number of decision thresholds strictly below x (ties go to the lower code). The specification
@@ -54,17 +55,26 @@ static void enc_seg(lt_enc *E, int s, int r0, int r1, const float *P) {
     if (r1 >= r0 && !run_fit(P, r0, r1, r0 ? P[r0 - 1] : 0.0f, &E->A[s], &E->B[s])) E->ok = 0;
 }
 
+/* Whether the fast encoders can take the map: sorted thresholds, +inf last, the negative ones (*nneg of them)
+ * mirror images of the first positive ones, none at 0. */
+static int map_ok(const float *thr, int *nneg) {
+    int ok = isinf(thr[255]) && thr[255] > 0, n = 0;
+    while (n < 255 && thr[n] < 0.0f) n++;
+    const float *P = thr + n;
+    *nneg = n;
+    if (255 - n < n || !(P[0] > 0.0f)) ok = 0;
+    for (int k = 0; ok && k < 254; k++) ok = thr[k] < thr[k + 1];
+    for (int k = 0; ok && k < n; k++) ok = thr[n - 1 - k] == -P[k];
+    return ok;
+}
+
 static void enc_build(lt_enc *E, const float *thr) {
     memset(E, 0, sizeof(*E));
-    E->ok = isinf(thr[255]) && thr[255] > 0;
-    int nneg = 0;
-    while (nneg < 255 && thr[nneg] < 0.0f) nneg++;
+    int nneg;
+    E->ok = map_ok(thr, &nneg);
     const float *P = thr + nneg;
     const int np = 255 - nneg;
     E->nneg = nneg;
-    if (np < nneg || !(P[0] > 0.0f)) E->ok = 0;
-    for (int k = 0; E->ok && k < 254; k++) E->ok = thr[k] < thr[k + 1];
-    for (int k = 0; E->ok && k < nneg; k++) E->ok = thr[nneg - 1 - k] == -P[k];
     if (!E->ok) return;
     int bnd[16], nb = 0, r0 = 0;
     for (int i = 0; i < np && E->ok; i++) { /* greedy: grow the run while it fits, else i is a boundary */
@@ -91,7 +101,57 @@ static void enc_build(lt_enc *E, const float *thr) {
     }
 }
 
-#ifdef __AVX512F__
+/* Bucket encoder (AVX2 and NEON paths): the bits of a positive float, from octave LT_OCT0 on, cut into buckets of
+ * 2^16 floats (2^LT_BK per octave); bkt_build checks that no bucket holds more than one threshold, so the count
+ * below a value is the count below its bucket plus one compare with that threshold, whose high bits are the
+ * bucket's: one 32-bit table entry holds the count (high half) and the threshold's low 16 bits (0xffff where the
+ * bucket has none, which no value's low bits exceed). Exact by construction, one table load and no search: one
+ * gather on AVX2, a scalar load on NEON. The first and last buckets, which take every value below and above the
+ * octaves, must hold no threshold. */
+#define LT_BK 7
+#define LT_NBKT (32 << LT_BK)
+typedef struct {
+    uint32_t entry[LT_NBKT];
+    int32_t nneg; /* thresholds below 0 (mirror images of the first nneg of P) */
+    int32_t ok;
+} lt_bkt;
+static lt_bkt g_bkt[2] __attribute__((aligned(64)));
+
+static inline int32_t bkt_index(int32_t a) {
+    const int32_t j = (a >> (23 - LT_BK)) - (LT_OCT0 << LT_BK);
+    return j < 0 ? 0 : j >= LT_NBKT ? LT_NBKT - 1 : j;
+}
+
+static void bkt_build(lt_bkt *K, const float *thr) {
+    int nneg;
+    K->ok = map_ok(thr, &nneg);
+    K->nneg = nneg;
+    const float *P = thr + nneg;
+    const int np = 255 - nneg;
+    int c = 0;
+    for (int j = 0; j < LT_NBKT; j++) {
+        const int64_t hi = j < LT_NBKT - 1 ? (int64_t)((LT_OCT0 << LT_BK) + j + 1) << (23 - LT_BK) : INT64_MAX;
+        const int below = c;
+        while (c < np && (int64_t)f2u(P[c]) < hi) c++;
+        if (c - below > 1 || (c > below && (j == 0 || j == LT_NBKT - 1))) K->ok = 0;
+        K->entry[j] = (uint32_t)below << 16 | (c > below ? f2u(P[below]) & 0xffffu : 0xffffu);
+    }
+}
+
+/* = encode(which, x) where bkt_build passed. a: the bits counted against the non-negative thresholds P (signed
+ * map: |x|, one float up for a negative x, so that ties go to the lower code). NaN gives 0 as encode does. */
+static inline uint8_t bkt_encode(int which, float x) {
+    const lt_bkt *K = &g_bkt[which];
+    const int32_t u = (int32_t)f2u(x), neg = which == 0 && u < 0;
+    const int32_t a = which == 0 ? (u & 0x7fffffff) + neg : u;
+    if ((u & 0x7fffffff) > 0x7f800000) return 0;
+    const uint32_t e = K->entry[bkt_index(a)];
+    const int32_t c = (int32_t)(e >> 16) + (((uint32_t)a & 0xffffu) > (e & 0xffffu));
+    const int32_t code = neg ? K->nneg - c : K->nneg + c;
+    return (uint8_t)(code < 0 ? 0 : code > 255 ? 255 : code);
+}
+
+#if LT_HAS_AVX512
 #define LT_LD(p) _mm512_loadu_si512((const void *)(p))
 /* Codes of 16 values as int32, negative for code 0 (the caller packs with unsigned saturation); sgn is a
  * constant after inlining. */
@@ -139,25 +199,7 @@ static inline __attribute__((always_inline)) void enc64(int w, const float *x, f
 }
 #endif
 
-/* Codes of x[0..n) (already divided by their absmax): the kernel's encoder, exposed for the tests. */
-void lt_encode(int which, const float *x, uint8_t *out, int64_t n) {
-    int64_t i = 0;
-#ifdef __AVX512F__
-    if (g_enc[which].ok)
-        for (; i + 64 <= n; i += 64) which ? enc64(1, x + i, 1.0f, out + i) : enc64(0, x + i, 1.0f, out + i);
-#endif
-    for (; i < n; i++) out[i] = encode(which, x[i]);
-}
-
-int lt_fast_encoder(void) {
-#ifdef __AVX512F__
-    return g_enc[0].ok && g_enc[1].ok;
-#else
-    return 0;
-#endif
-}
-
-#ifdef __AVX512VBMI__
+#if LT_PATH == LT_AVX512VBMI
 /* Decoder: the code book as 4 byte planes of 256 entries, looked up 64 codes at a time by byte permutes (two
  * 128-entry halves each), then interleaved back to floats. Codes are pre-shuffled so that the interleave
  * (which works within 128-bit lanes) yields the floats in order. */
@@ -189,8 +231,11 @@ void lt_set_tables(const float *code_s, const float *thr_s, const float *code_u,
     memcpy(g_code[1], code_u, sizeof(g_code[1]));
     memcpy(g_thr[0], thr_s, sizeof(g_thr[0]));
     memcpy(g_thr[1], thr_u, sizeof(g_thr[1]));
-    for (int w = 0; w < 2; w++) enc_build(&g_enc[w], g_thr[w]);
-#ifdef __AVX512VBMI__
+    for (int w = 0; w < 2; w++) {
+        enc_build(&g_enc[w], g_thr[w]);
+        bkt_build(&g_bkt[w], g_thr[w]);
+    }
+#if LT_PATH == LT_AVX512VBMI
     for (int w = 0; w < 2; w++)
         for (int i = 0; i < 256; i++)
             for (int k = 0; k < 4; k++) g_plane[w][k][i] = (uint8_t)(f2u(g_code[w][i]) >> (8 * k));

@@ -1,6 +1,6 @@
 /* The fused 8-bit AVX-512 path of _adamw_kernel.c (included there after the per-block passes it matches). */
 
-#ifdef __AVX512VBMI__
+#if LT_PATH == LT_AVX512VBMI
 /* The 8-bit path in one AVX-512 loop: per 64 elements, decode the moments of block b, update them and the
  * parameter (the same operations in the same order as LT_UPDATE_LOOP, so the same results), keep the new
  * moments in scratch and their absmax in registers, and re-encode 64 elements of block b - 1, whose absmax is

@@ -14,8 +14,21 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512F__
+
+/* The code paths (lt_simd_level); kernel.py passes -DLT_PATH=<one of these> with the flags it needs. */
+#define LT_SCALAR 0
+#define LT_AVX512F 1
+#define LT_AVX512VBMI 2
+#define LT_AVX2 3
+#define LT_NEON 4
+#ifndef LT_PATH
+#error "build with -DLT_PATH=<path> (kernel.py does)"
+#endif
+#define LT_HAS_AVX512 (LT_PATH == LT_AVX512F || LT_PATH == LT_AVX512VBMI)
+#if LT_HAS_AVX512 || LT_PATH == LT_AVX2
 #include <immintrin.h>
+#elif LT_PATH == LT_NEON
+#include <arm_neon.h>
 #endif
 
 typedef struct {
@@ -133,7 +146,7 @@ static void do_block(const lt_args *a, int64_t s, int64_t len, float *restrict s
         const float am = a->mabs[blk], av = a->vabs[blk];
         const uint8_t *mq = a->mq + s, *vq = a->vq + s;
         int64_t i = 0;
-#ifdef __AVX512VBMI__
+#if LT_PATH == LT_AVX512VBMI
         for (; i + 64 <= len; i += 64) {
             __m512 dm[4], dv[4];
             dec64(0, mq + i, am, dm);
@@ -153,7 +166,7 @@ static void do_block(const lt_args *a, int64_t s, int64_t len, float *restrict s
     if (a->mq) {
         float am = 0.0f, av = 0.0f;
         int64_t i0 = 0;
-#ifdef __AVX512F__
+#if LT_HAS_AVX512
         __m512 xam = _mm512_setzero_ps(), xav = _mm512_setzero_ps();
         for (; i0 + 16 <= len; i0 += 16) {
             xam = _mm512_max_ps(xam, _mm512_abs_ps(_mm512_loadu_ps(m + i0)));
@@ -172,7 +185,7 @@ static void do_block(const lt_args *a, int64_t s, int64_t len, float *restrict s
         const float im = am > 0.0f ? 1.0f / am : 0.0f, iv = av > 0.0f ? 1.0f / av : 0.0f;
         uint8_t *mq = a->mq + s, *vq = a->vq + s;
         i0 = 0;
-#ifdef __AVX512F__
+#if LT_HAS_AVX512
         if (g_enc[0].ok && g_enc[1].ok)
             for (; i0 + 64 <= len; i0 += 64) {
                 enc64(0, m + i0, im, mq + i0);
@@ -187,6 +200,51 @@ static void do_block(const lt_args *a, int64_t s, int64_t len, float *restrict s
 }
 
 #include "_adamw_fused8.h"
+#include "_adamw_avx2.h"
+#include "_adamw_neon.h"
+
+#if LT_PATH == LT_AVX2 || LT_PATH == LT_NEON
+#define LT_BLOCK8 1
+/* One 8-bit block of the AVX2 or NEON loop; sm, sv: scratch for its moments. */
+static void do_block8(const lt_args *a, int64_t s, int64_t len, float *sm, float *sv) {
+    const int g16 = a->grad_bf16 != 0, p16 = a->p16 != NULL, cp = a->copy != NULL;
+    switch (g16 | p16 << 1 | cp << 2) {
+    case 0: block8_t(a, s, len, sm, sv, 0, 0, 0); break;
+    case 1: block8_t(a, s, len, sm, sv, 1, 0, 0); break;
+    case 2: block8_t(a, s, len, sm, sv, 0, 1, 0); break;
+    case 3: block8_t(a, s, len, sm, sv, 1, 1, 0); break;
+    case 4: block8_t(a, s, len, sm, sv, 0, 0, 1); break;
+    case 5: block8_t(a, s, len, sm, sv, 1, 0, 1); break;
+    case 6: block8_t(a, s, len, sm, sv, 0, 1, 1); break;
+    default: block8_t(a, s, len, sm, sv, 1, 1, 1); break;
+    }
+}
+#else
+#define LT_BLOCK8 0
+#endif
+
+/* Whether the path's fast encoder accepted both maps (else every path encodes with the plain search). */
+int lt_fast_encoder(void) {
+#if LT_HAS_AVX512
+    return g_enc[0].ok && g_enc[1].ok;
+#elif LT_BLOCK8
+    return g_bkt[0].ok && g_bkt[1].ok;
+#else
+    return 0;
+#endif
+}
+
+/* Codes of x[0..n) (already divided by their absmax): the path's encoder, exposed for the tests. */
+void lt_encode(int which, const float *x, uint8_t *out, int64_t n) {
+    int64_t i = 0;
+#if LT_HAS_AVX512
+    if (g_enc[which].ok)
+        for (; i + 64 <= n; i += 64) which ? enc64(1, x + i, 1.0f, out + i) : enc64(0, x + i, 1.0f, out + i);
+#elif LT_BLOCK8
+    if (g_bkt[which].ok) i = vec_encode(which, x, out, n);
+#endif
+    for (; i < n; i++) out[i] = encode(which, x[i]);
+}
 
 /* Blocks per work item of the shared queue: big enough that the 8-bit pipeline's one extra drain per item and
  * the queue's atomic are noise, small enough that a thread sharing its core with the training loop (the main
@@ -194,17 +252,9 @@ static void do_block(const lt_args *a, int64_t s, int64_t len, float *restrict s
  * shares would: measured there at the speed of the slowed thread. */
 #define LT_ITEM_BLOCKS 8
 
-/* Which code path this build runs: 2 = AVX-512 VBMI (fused 8-bit loop, vector codec), 1 = AVX-512F (vector
- * absmax and encoder), 0 = scalar C the compiler vectorizes. */
-int lt_simd_level(void) {
-#if defined(__AVX512VBMI__)
-    return 2;
-#elif defined(__AVX512F__)
-    return 1;
-#else
-    return 0;
-#endif
-}
+/* Which code path this build runs: LT_AVX512VBMI (fused 8-bit loop, vector codec), LT_AVX512F (vector absmax
+ * and encoder), LT_AVX2 / LT_NEON (8-bit block loop, bucket encoder), LT_SCALAR (C the compiler vectorizes). */
+int lt_simd_level(void) { return LT_PATH; }
 
 /* Returns 0 on success, 1 if scratch memory could not be allocated. */
 int lt_adamw_step(const lt_args *a) {
@@ -214,10 +264,13 @@ int lt_adamw_step(const lt_args *a) {
     int nt = a->nthreads > 0 ? a->nthreads : 1;
     if (nitems < nt) nt = (int)(nitems > 0 ? nitems : 1);
     int failed = 0;
-#ifdef __AVX512VBMI__
+#if LT_PATH == LT_AVX512VBMI
     const int fused = a->mq && g_enc[0].ok && g_enc[1].ok;
 #else
     const int fused = 0;
+#endif
+#if LT_BLOCK8
+    const int block8 = a->mq && lt_fast_encoder();
 #endif
 #pragma omp parallel num_threads(nt) reduction(| : failed)
     {
@@ -228,15 +281,21 @@ int lt_adamw_step(const lt_args *a) {
             const int64_t b0 = item * LT_ITEM_BLOCKS;
             const int64_t b1 = b0 + LT_ITEM_BLOCKS < nblk ? b0 + LT_ITEM_BLOCKS : nblk;
             if (!scratch) continue;
-#ifdef __AVX512VBMI__
+#if LT_PATH == LT_AVX512VBMI
             if (fused) {
                 do_blocks8(a, b0, b1, scratch);
                 continue;
             }
 #endif
             for (int64_t b = b0; b < b1; b++) {
-                const int64_t s = b * bs;
-                do_block(a, s, (s + bs <= a->n) ? bs : a->n - s, scratch, scratch + bs);
+                const int64_t s = b * bs, len = (s + bs <= a->n) ? bs : a->n - s;
+#if LT_BLOCK8
+                if (block8) {
+                    do_block8(a, s, len, scratch, scratch + bs);
+                    continue;
+                }
+#endif
+                do_block(a, s, len, scratch, scratch + bs);
             }
         }
         free(scratch);

@@ -24,6 +24,7 @@ import torch
 
 from lightning_lazytrain.models.adapter import UnsupportedModelError, adapter_for
 from lightning_lazytrain.models.fused_kernels import fused_part_names
+from lightning_lazytrain.optim.update_rate import host_update_rate
 from lightning_lazytrain.schedule.batch_search import largest_batch
 from lightning_lazytrain.schedule.disk import checkpoints_kept, free_bytes
 from lightning_lazytrain.schedule.forecast import Forecast, Machine, RunSpec, forecast
@@ -37,9 +38,6 @@ from lightning_lazytrain.sft.plan_machine import cpu_machine, gpu_machine, plans
 from lightning_lazytrain.sft.plan_model import meta_model, model_config
 from lightning_lazytrain.sft.plan_report import render
 from lightning_lazytrain.units import GIB
-
-# HybridAdamW, bf16 grads + clip + stream copy, 16-core H200 host (optim_cpu_324b44b_cpu16.json)
-UPDATE_GPARAMS_PER_S = 4.0
 
 
 class PlanCLI(LazyTrainCLI):
@@ -64,9 +62,9 @@ class PlanCLI(LazyTrainCLI):
         )
         parser.add_argument(
             "--update_gparams_per_s",
-            type=float,
-            default=UPDATE_GPARAMS_PER_S,
-            help="the host's CPU optimizer update rate in G parameters/s",
+            type=float | None,
+            default=None,
+            help="the host's CPU optimizer update rate in G parameters/s (default: HybridAdamW's, measured here)",
         )
         parser.add_argument("--max_batch", type=bool, default=True, help="search for the largest batch that fits")
         parser.add_argument("--json", type=bool, default=False, help="print the answer as one JSON object")
@@ -147,6 +145,17 @@ def _state_bytes(model: dict) -> float:
     return 8.0
 
 
+def _update_rate(given: float | None, model: dict) -> tuple[float, str]:
+    """(CPU update parameters/s, where it came from): ``--update_gparams_per_s``, else HybridAdamW's update timed
+    on this host's kernel path with the recipe's 8-bit fraction (none for another optimizer), cached per host."""
+    if given is not None:
+        return float(given) * 1e9, "--update_gparams_per_s"
+    name = str(model.get("optimizer") or "torch.optim.AdamW")
+    fraction = float((model.get("optimizer_kwargs") or {}).get("eight_bit_fraction", 0.0))
+    rate, path = host_update_rate(fraction if name.endswith("HybridAdamW") else 0.0)
+    return rate, f"HybridAdamW measured here, kernel path {path}"
+
+
 def _kernels(run: RunSpec) -> str:
     """Which kernels the streamed layers will run, in words."""
     if not run.kernels_fused:
@@ -211,11 +220,12 @@ def _plan(cli: PlanCLI) -> dict:
         spec = replace(spec, memory_bytes=int(cfg["gpu_memory_gib"] * GIB))
         gpu_words += f", capped at {cfg['gpu_memory_gib']:g} GiB"
     disk_dir = run.spill_dir or "."
+    update_rate, update_source = _update_rate(cfg.get("update_gparams_per_s"), model_cfg)
     machine = Machine(
         spec,
         host_available,
         shutil.disk_usage(disk_dir).free if run.spill_dir else 0,
-        float(cfg.get("update_gparams_per_s") or UPDATE_GPARAMS_PER_S) * 1e9,
+        update_rate,
         free_bytes(_checkpoint_dir(trainer)),
     )
     batch = int(data.get("batch_size") or 1)
@@ -240,6 +250,7 @@ def _plan(cli: PlanCLI) -> dict:
             "available_bytes": machine.host_available_bytes,
             "source": "--host_ram_gib" if host is not None else "this machine",
             "update_params_per_s": machine.update_params_per_s,
+            "update_source": update_source,
         },
         "run": {
             "seq": run.seq,

@@ -56,7 +56,7 @@ def render(answer: dict) -> str:
         f"times: {asked['scaling']}",
         f"host: {answer['host']['available_bytes'] / GIB:.1f} GiB RAM available ({answer['host']['source']}); "
         f"CPU update "
-        f"{answer['host']['update_params_per_s'] / 1e9:.1f} G params/s (--update_gparams_per_s)",
+        f"{answer['host']['update_params_per_s'] / 1e9:.2f} G params/s ({answer['host']['update_source']})",
         f"run: batch {asked['batch']} x seq {r['seq']}, {r['precision']}, {r['world_size']} process(es), "
         f"schedule {r['schedule']}, optimizer states {r['optimizer_state_bytes_per_param']:.2f} B/param, "
         f"layer kernels: {r['kernels']}",
