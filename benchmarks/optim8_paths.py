@@ -6,7 +6,7 @@ One tensor of fp32 params and fp32 gradients (``opt.step()``), the issue's setti
 of ``--repeats`` timed steps after ``--warmup`` untimed ones, on ``--threads`` threads. Each row also has the
 calling thread's CPU time per parameter on one thread (minimum over the timed steps): on a shared machine the
 wall time includes other processes' load, the thread's CPU time much less. Writes
-``benchmarks/results/optim8_<commit>_<cpuclass>.json``.
+``benchmarks/results/optim8_<commit>_cpu<N>.json``.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default=None, help="default: benchmarks/results/optim8_<commit>_<cpuclass>.json")
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/optim8_<commit>_cpu<N>.json")
     args = ap.parse_args()
     torch.manual_seed(0)
     n = int(args.numel)
@@ -91,7 +91,6 @@ def main() -> None:
         r["speed_vs_torch_fused"] = round(fused / r["wall_s"], 3)
     commit = _commit()
     model = _cpu_model()
-    cpuclass = f"{re.sub(r'[^a-z0-9]+', '-', model.lower()).strip('-')}-{os.cpu_count()}c-{runnable_paths()[0][2:]}"
     out = {
         "command": " ".join([sys.executable, *sys.argv]),
         "git_commit": commit,
@@ -109,7 +108,7 @@ def main() -> None:
         "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "rows": rows,
     }
-    path = Path(args.out or f"benchmarks/results/optim8_{commit[:7]}_{cpuclass}.json")
+    path = Path(args.out or f"benchmarks/results/optim8_{commit[:7]}_cpu{os.cpu_count()}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2) + "\n")
     print(f"{'row':22s} {'path':14s} {'wall s':>8s} {'x fused':>8s} {'1-thread CPU ns/param':>22s}")

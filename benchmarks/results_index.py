@@ -114,7 +114,8 @@ def describe(path: Path) -> Entry:
     if commit is not None and HEX.match(commit) and len(HEX.match(commit).group(0)) == 40:
         commit = commit[:7]
     rows = sum(len(rows) for rows in lists) if lists else 1
-    return Entry(path, commit, machine_class(data.get("machine"), data.get("device")), rows, row_commits)
+    machine = data.get("machine") or data.get("cpu")  # optim8_paths.py records the CPU under "cpu"
+    return Entry(path, commit, machine_class(machine, data.get("device")), rows, row_commits)
 
 
 def cited_names(text: str) -> set[str]:
