@@ -30,9 +30,14 @@ def test_each_packed_sample_gives_the_logits_it_gives_alone(family, attn):
     (row,) = pack_examples(samples, sum(LENGTHS))
     batch = SFTCollator(pad_id=0, pad_to_multiple_of=32)([row])  # padding after the row too
     assert batch["position_ids"][0, : sum(LENGTHS)].tolist() == [p for n in LENGTHS for p in range(n)]
+    assert "attention_mask" not in batch and batch["use_cache"] is False  # either one would join the samples
     with torch.no_grad():
-        packed = model(**model_inputs(batch)).logits[0]
-        leaky = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[0]
+        packed = model(**batch).logits[0]
+        leaky = model(
+            input_ids=batch["input_ids"],
+            position_ids=batch["position_ids"],
+            attention_mask=torch.ones_like(batch["input_ids"]),
+        ).logits[0]
         start, worst_leak = 0, 0.0
         for s in samples:
             alone = model(input_ids=s.input_ids.long()[None]).logits[0]
@@ -49,7 +54,7 @@ def test_packed_loss_is_the_loss_of_the_samples_alone():
     packed = SFTCollator(pad_id=0)(pack_examples(samples, 16))  # two rows
     assert packed["input_ids"].shape[0] == 2
     with torch.no_grad():
-        got = model(**model_inputs(packed)).loss
+        got = model(**packed).loss
         total, count = 0.0, 0
         for s in samples:
             logits = model(input_ids=s.input_ids.long()[None]).logits[0, :-1]
@@ -74,10 +79,18 @@ def test_packed_batches_train_through_lazytrain_as_plain_lightning():
     model = tiny_model("qwen2")
     data = []
     for seed in range(3):
-        batch = SFTCollator(pad_id=0)(pack_examples(_samples(seed), 16))
-        data.append({k: v for k, v in model_inputs(batch).items()})
+        data.append(SFTCollator(pad_id=0)(pack_examples(_samples(seed), 16)))
     ref, _ = train(model, data)
     lt, _ = train(model, data, strategy="lazytrain")
     assert rel_diff(ref.model, model) > 1e-3
     assert lt.losses == pytest.approx(ref.losses, rel=1e-6)
     assert rel_diff(lt.model, ref.model) <= 1e-5
+
+
+def test_model_inputs_leave_out_only_the_generation_fields():
+    samples = _samples()
+    padded = SFTCollator(pad_id=0, generation=True)(samples)
+    assert set(model_inputs(padded)) == {"input_ids", "attention_mask", "labels"}
+    assert padded["attention_mask"].sum(1).tolist() == list(LENGTHS)  # a batch that is not packed keeps its mask
+    packed = SFTCollator(pad_id=0)(pack_examples(samples, 16))
+    assert model_inputs(packed).keys() == packed.keys() == {"input_ids", "labels", "position_ids", "use_cache"}

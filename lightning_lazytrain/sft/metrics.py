@@ -2,7 +2,8 @@
 
 Conventions (so numbers compare with REFERENCE.md and the papers):
 
-* ``perf/tokens_per_s``: non-padding tokens of the batch / step time.
+* ``perf/tokens_per_s``: non-padding tokens of the batch / step time; a batch without an ``attention_mask`` (packed
+  rows) counts every token, its padding too.
 * ``perf/model_tflops``: ``(6 * N + 12 * layers * hidden * seq) * batch * seq / step_time / 1e12`` with ``N`` all
   model parameters (embeddings included) and ``batch * seq`` the padded tokens the model computes on. ``6N`` counts
   forward (2N) and backward (4N) matmuls; the second term is causal-free attention scores + values for fwd+bwd.

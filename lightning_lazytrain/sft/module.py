@@ -1,8 +1,9 @@
 """`CausalLMModule`: the recipe LightningModule — an HF causal LM, AdamW + warm-up/cosine, exact-match validation.
 
 It follows the contract the lazytrain strategy relies on: the module holds one ``transformers.PreTrainedModel`` as
-``self.model``, the loss comes from ``self.model(input_ids=..., attention_mask=..., labels=...).loss`` and generation
-goes through ``self.model.generate``; it never reaches into the decoder layers, so any Lightning strategy runs it.
+``self.model``, the loss comes from ``self.model(**model_inputs(batch)).loss`` (ids, labels, and the padding mask or a
+packed batch's positions) and generation goes through ``self.model.generate``; it never reaches into the decoder
+layers, so any Lightning strategy runs it.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lightning_lazytrain.sft.data.answers import answers_match
+from lightning_lazytrain.sft.data.collate import model_inputs
 from lightning_lazytrain.sft.data.examples import IGNORE_INDEX
-from lightning_lazytrain.sft.data.packing import model_inputs
 from lightning_lazytrain.sft.data.tokenizer import end_of_turn_id, load_tokenizer
 from lightning_lazytrain.sft.eval_prompts import EvalPrompts, new_token_count
 from lightning_lazytrain.sft.lora import LoraOptions, add_adapters, check_lora
@@ -162,7 +163,7 @@ class CausalLMModule(pl.LightningModule):
         return self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        loss = self.model(**model_inputs(batch)).loss  # a packed batch passes per-sample positions, not a mask
+        loss = self.model(**model_inputs(batch)).loss
         self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
         return loss
 

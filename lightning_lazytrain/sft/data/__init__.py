@@ -1,7 +1,7 @@
 """SFT data: sources, row formats, chat templates and loss masks, the tokenized cache, packing, the datamodule."""
 
 from lightning_lazytrain.sft.data.answers import answers_match, extract_answer, normalize_answer
-from lightning_lazytrain.sft.data.collate import SFTCollator
+from lightning_lazytrain.sft.data.collate import SFTCollator, model_inputs
 from lightning_lazytrain.sft.data.errors import (
     DataError,
     DataFormatError,
@@ -11,7 +11,7 @@ from lightning_lazytrain.sft.data.errors import (
 )
 from lightning_lazytrain.sft.data.examples import IGNORE_INDEX, Example
 from lightning_lazytrain.sft.data.formats import FieldMap, Record, read_records
-from lightning_lazytrain.sft.data.packing import model_inputs, pack_examples
+from lightning_lazytrain.sft.data.packing import pack_examples
 from lightning_lazytrain.sft.data.sft import SFTDataModule, split_indices
 from lightning_lazytrain.sft.data.sources import DataSource
 from lightning_lazytrain.sft.data.tokenization import tokenize_records

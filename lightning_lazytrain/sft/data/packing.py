@@ -1,16 +1,16 @@
 """Packing several samples into one row so that each sample still sees only itself.
 
-A packed row carries ``position_ids`` that restart at 0 for every sample and no ``attention_mask``: from those
-positions transformers' mask builder (``find_packed_sequence_indices``) limits attention to each sample, for
-``eager``, ``sdpa`` and flex attention alike, and flash-attention reads the same positions as variable-length
-sequences. The first label of every sample is ignored, as it is in the sample alone (nothing predicts a first
-token), so the token before it in the row is not trained to predict the next sample.
+A packed row carries ``position_ids`` that restart at 0 for every sample; its batch has no ``attention_mask`` and
+``use_cache=False`` (`SFTCollator`), so from those positions transformers' mask builder
+(``find_packed_sequence_indices``) limits attention to each sample, for ``eager``, ``sdpa`` and flex attention
+alike, and flash-attention reads the same positions as variable-length sequences. The first label of every sample
+is ignored, as it is in the sample alone (nothing predicts a first token), so the token before it in the row is not
+trained to predict the next sample.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -45,17 +45,3 @@ def pack_examples(examples: Sequence[Example], max_seq_length: int) -> list[Exam
     if row:
         packed.append(_row(row))
     return packed
-
-
-def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
-    """The keyword arguments of the model's forward for a collated batch.
-
-    A packed batch gives ``position_ids`` instead of the attention mask, and ``use_cache=False``: the model derives
-    the per-sample mask from the positions only when it has neither a 2D mask nor a cache.
-    """
-    inputs = {"input_ids": batch["input_ids"], "labels": batch.get("labels")}
-    if "position_ids" in batch:
-        inputs.update(position_ids=batch["position_ids"], use_cache=False)
-    else:
-        inputs["attention_mask"] = batch["attention_mask"]
-    return inputs
