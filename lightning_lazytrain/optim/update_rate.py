@@ -26,8 +26,10 @@ __all__ = ["host_update_rate", "time_update"]
 _NUMEL = 1 << 22  # 4 M parameters: about 10 ms a step on the vector paths, 0.7 s on the scalar path's 8-bit
 
 
-def time_update(eight_bit: bool, threads: int, numel: int = _NUMEL) -> float:
-    """Parameters per second of one HybridAdamW update with fp32 or 8-bit states (fastest of 3 timed steps)."""
+def time_update(eight_bit: bool, threads: int | None, numel: int = _NUMEL) -> float:
+    """Parameters per second of one HybridAdamW update with fp32 or 8-bit states (fastest of 3 timed steps), in the
+    engine's configuration: bf16 gradient, clip coefficient, bf16 stream copy; ``threads`` None is the optimizer's
+    default."""
     param = torch.zeros(numel)
     opt = HybridAdamW([param], lr=1e-6, eight_bit_fraction=1.0 if eight_bit else 0.0, num_threads=threads)
     opt.register_stream_copy(param, torch.empty(numel, dtype=torch.bfloat16))

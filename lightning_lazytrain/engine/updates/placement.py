@@ -28,7 +28,6 @@ and never elsewhere; ``"staged"`` never.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -113,21 +112,10 @@ def split_by_share(traffic: list[UnitTraffic], share: float) -> list[bool]:
 def measure_cpu_update_rate(optimizer: torch.optim.Optimizer, numel: int = 1 << 25) -> float:
     """Parameters per second of ``optimizer``'s CPU update on a scratch tensor, in the engine's configuration
     (bf16 gradient, clip coefficient, bf16 stream copy), with its 8-bit setting for large tensors."""
-    from lightning_lazytrain.optim import HybridAdamW
+    from lightning_lazytrain.optim.update_rate import time_update
 
     eight_bit = any(optimizer.is_8bit(p) for g in optimizer.param_groups for p in g["params"])
-    param = torch.zeros(numel)
-    scratch = HybridAdamW([param], lr=1e-6, eight_bit_fraction=1.0 if eight_bit else 0.0,
-                          num_threads=getattr(optimizer, "num_threads", None))
-    scratch.register_stream_copy(param, torch.empty(numel, dtype=torch.bfloat16))
-    grad = torch.full((numel,), 1e-3, dtype=torch.bfloat16)
-    scratch.step_params([param], 0.5, [grad])
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        scratch.step_params([param], 0.5, [grad])
-        best = min(best, time.perf_counter() - start)
-    return numel / best
+    return time_update(eight_bit, getattr(optimizer, "num_threads", None), numel)
 
 
 def update_problem(traffic: list[UnitTraffic], cpu_params_per_s: float, h2d_bytes_per_s: float,
