@@ -308,6 +308,11 @@ def admission(executor: StreamingExecutor, optimizer: torch.optim.Optimizer | No
         slots, resident = executor.pool.nbytes, executor.resident_device_bytes
         gpu_kw = dict(gpu_have_bytes=device_free_bytes(executor.device) + slots + resident, gpu_slot_bytes=slots,
                       gpu_resident_bytes=resident)
+    device_on_host = 0
+    if executor.device.type != "cuda" and executor.pool is not None:
+        # a run on the CPU accelerator: its "device" copies (weight slots, the resident parts and their gradients)
+        # are host RAM too
+        device_on_host = executor.pool.nbytes + executor.resident_device_bytes
     home = executor.path.gradient_home if executor.path is not None else "host"
     staging = getattr(executor.sink, "staging", None)
     staging_bytes = staging.held_bytes if staging is not None else 0
@@ -320,4 +325,5 @@ def admission(executor: StreamingExecutor, optimizer: torch.optim.Optimizer | No
         host_have_bytes=psutil.virtual_memory().available + held, optimizer_state_bytes_per_param=state_bpp,
         grad_accumulation=executor.updates is None, ranks_per_host=ranks_per_host, world_size=world_size,
         gradient_home="host" if on_host else home, gradient_staging_bytes=staging_bytes,
-        pinned_slot_bytes=staging_bytes if on_host else 0, **disk_kw, **gpu_kw)
+        pinned_slot_bytes=staging_bytes if on_host else 0,
+        host_other_bytes=device_on_host, **disk_kw, **gpu_kw)
