@@ -36,17 +36,38 @@ SHAPE, SEQ, GIB = "qwen3.6-27b", 1024, 2**30
 
 def predicted(batch: int) -> dict:
     """``lazytrain plan`` for ``batch`` on an H200 with this host's available RAM (analytic times, no search)."""
-    cmd = [sys.executable, "-m", "lightning_lazytrain.sft.cli", "plan", "--config", SHAPE, "--model.model_config",
-           SHAPE, "--gpu", "h200", "--data.batch_size", str(batch), "--host_ram_gib",
-           f"{psutil.virtual_memory().available / GIB:.1f}", "--max_batch", "false", "--json", "true"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lightning_lazytrain.sft.cli",
+        "plan",
+        "--config",
+        SHAPE,
+        "--model.model_config",
+        SHAPE,
+        "--gpu",
+        "h200",
+        "--data.batch_size",
+        str(batch),
+        "--host_ram_gib",
+        f"{psutil.virtual_memory().available / GIB:.1f}",
+        "--max_batch",
+        "false",
+        "--json",
+        "true",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if proc.returncode != 0:
         return {"error": proc.stderr[-400:]}
     asked = json.loads(proc.stdout)["asked"]
-    return {"fits": asked["fits"], "step_s": (asked["prediction"] or {}).get("step_s"),
-            "model_tflops": asked["model_tflops"], "gradient_home": asked["gradient_home"],
-            "host_need_gib": asked["tiers"]["host"]["need_bytes"] / GIB,
-            "gpu_need_gib": asked["tiers"]["gpu"]["need_bytes"] / GIB}
+    return {
+        "fits": asked["fits"],
+        "step_s": (asked["prediction"] or {}).get("step_s"),
+        "model_tflops": asked["model_tflops"],
+        "gradient_home": asked["gradient_home"],
+        "host_need_gib": asked["tiers"]["host"]["need_bytes"] / GIB,
+        "gpu_need_gib": asked["tiers"]["gpu"]["need_bytes"] / GIB,
+    }
 
 
 def measure(model, batch: int, steps: int, warmup: int, fpt: float) -> dict:
@@ -56,15 +77,24 @@ def measure(model, batch: int, steps: int, warmup: int, fpt: float) -> dict:
     row = {"batch": batch, "seq": SEQ, "plan": predicted(batch)}
     try:
         data = RandomTokens(steps, batch, SEQ, vocab=model.config.vocab_size)
-        trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=LazyTrainStrategy(schedule="milp"),
-                             precision="bf16-true", max_steps=steps, logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False, callbacks=[timer, sampler],
-                             num_sanity_val_steps=0, gradient_clip_val=1.0)
+        trainer = pl.Trainer(
+            accelerator="gpu",
+            devices=1,
+            strategy=LazyTrainStrategy(schedule="milp"),
+            precision="bf16-true",
+            max_steps=steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[timer, sampler],
+            num_sanity_val_steps=0,
+            gradient_clip_val=1.0,
+        )
         trainer.fit(BenchModule(model, "hybrid1"), torch.utils.data.DataLoader(data, batch_size=None))
     except Exception as exc:  # the batch that does not fit ends the search; the row says why
         sampler.close()
-        return {**row, "status": f"{type(exc).__name__}: {exc}"[:400],
-                "host_peak_gib": sampler.peak_bytes / GIB}
+        return {**row, "status": f"{type(exc).__name__}: {exc}"[:400], "host_peak_gib": sampler.peak_bytes / GIB}
     sampler.close()
     row.update(status="ok", **timer.summary(warmup))
     tokens = batch * SEQ
@@ -101,11 +131,23 @@ def main() -> None:
         rows.append(measure(model, batch, 3, 1, fpt))
         gc.collect()
     fitting = [r["batch"] for r in rows if r["status"] == "ok"]
-    write_results(args.out, {"group": "qwen27b", "shape": SHAPE, "config": source, "params": num_params,
-                             "precision": "bf16-true", "optimizer": "HybridAdamW eight_bit_fraction=1.0",
-                             "model_build_s": built_s, "host_total_gib": psutil.virtual_memory().total / GIB,
-                             "largest_batch_measured": max(fitting, default=None), "rows": rows,
-                             "wall_s": time.perf_counter() - start, "pid": os.getpid()})
+    write_results(
+        args.out,
+        {
+            "group": "qwen27b",
+            "shape": SHAPE,
+            "config": source,
+            "params": num_params,
+            "precision": "bf16-true",
+            "optimizer": "HybridAdamW eight_bit_fraction=1.0",
+            "model_build_s": built_s,
+            "host_total_gib": psutil.virtual_memory().total / GIB,
+            "largest_batch_measured": max(fitting, default=None),
+            "rows": rows,
+            "wall_s": time.perf_counter() - start,
+            "pid": os.getpid(),
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -60,12 +60,14 @@ class HostPeakMemory(pl.Callback):
         if self._phase == "load":
             self._enter("setup")
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._enter("first steps" if trainer.global_step < self.first_steps else "training")
 
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         # called as the checkpoint is assembled; the file is written after it, and the phase lasts until the next
         # batch starts (Lightning runs ModelCheckpoint after every other callback's batch end)
         self._enter("checkpoint save")
@@ -78,6 +80,9 @@ class HostPeakMemory(pl.Callback):
         self._enter(self._before)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.close()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.close()
 
     def close(self) -> None:

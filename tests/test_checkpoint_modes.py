@@ -35,9 +35,19 @@ def test_none_fitting_says_so_and_what_one_fewer_saves():
 def _fit(dirpath, **callback_kw):
     module = LMModule(tiny_model("qwen2", seed=1))
     saver = ResumableModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_last="link", **callback_kw)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="lazytrain", precision="32-true", max_steps=4,
-                         logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[saver],
-                         num_sanity_val_steps=0, limit_val_batches=0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy="lazytrain",
+        precision="32-true",
+        max_steps=4,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[saver],
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     trainer.fit(module, loader(batches(4)))
     return module
 

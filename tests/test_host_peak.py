@@ -21,14 +21,30 @@ class Hybrid(LMModule):
 
 def test_sampled_host_peak_matches_the_admission_table(tmp_path):
     sampler = HostPeakMemory()  # before the model: the load is sampled too
-    config = Qwen2Config(vocab_size=16384, hidden_size=512, intermediate_size=1408, num_hidden_layers=6,
-                         num_attention_heads=8, num_key_value_heads=2)
+    config = Qwen2Config(
+        vocab_size=16384,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+    )
     torch.manual_seed(0)
     module = Hybrid(AutoModelForCausalLM.from_config(config))
     saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=1)
-    trainer = pl.Trainer(accelerator="cpu", strategy="lazytrain", precision="32-true", max_steps=4, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[sampler, saver],
-                         limit_val_batches=1, val_check_interval=2, num_sanity_val_steps=0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        strategy="lazytrain",
+        precision="32-true",
+        max_steps=4,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[sampler, saver],
+        limit_val_batches=1,
+        val_check_interval=2,
+        num_sanity_val_steps=0,
+    )
     data = [{k: v % 16384 for k, v in b.items()} for b in batches(4, batch=1, seq=32)]
     trainer.fit(module, loader(data), loader(data[:1]))
     params = sum(p.numel() for p in module.parameters())

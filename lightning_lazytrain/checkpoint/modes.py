@@ -32,21 +32,31 @@ class CheckpointMode:
     how: str  # the settings that give it
 
     def describe(self) -> str:
-        return (f"{self.name}: {self.need_bytes / GIB:.2f} GiB ({self.bytes_each / GIB:.2f} GiB each) — {self.how}")
+        return f"{self.name}: {self.need_bytes / GIB:.2f} GiB ({self.bytes_each / GIB:.2f} GiB each) — {self.how}"
 
 
-def checkpoint_modes(num_params: int, precision: str, state_bytes_per_param: float, kept: int,
-                     free_bytes: int) -> list[CheckpointMode]:
+def checkpoint_modes(
+    num_params: int, precision: str, state_bytes_per_param: float, kept: int, free_bytes: int
+) -> list[CheckpointMode]:
     """The three modes for a run of ``num_params`` trainable parameters keeping ``kept`` checkpoints on a disk
     with ``free_bytes`` free, in the order full state, bf16 + 8-bit states, weights only."""
     copies = kept + 1
     sizes = (
-        ("full state", checkpoint_bytes(num_params, precision, state_bytes_per_param),
-         "save_weights_only: false (the run as configured)"),
-        ("bf16 weights with 8-bit states", checkpoint_bytes(num_params, "bf16-true", EIGHT_BIT_STATE_BYTES),
-         "precision: bf16-true and HybridAdamW(eight_bit_fraction=1.0), save_weights_only: false"),
-        ("weights only", checkpoint_bytes(num_params, precision, 0.0),
-         "save_weights_only: true (no optimizer state: not resumable exactly)"),
+        (
+            "full state",
+            checkpoint_bytes(num_params, precision, state_bytes_per_param),
+            "save_weights_only: false (the run as configured)",
+        ),
+        (
+            "bf16 weights with 8-bit states",
+            checkpoint_bytes(num_params, "bf16-true", EIGHT_BIT_STATE_BYTES),
+            "precision: bf16-true and HybridAdamW(eight_bit_fraction=1.0), save_weights_only: false",
+        ),
+        (
+            "weights only",
+            checkpoint_bytes(num_params, precision, 0.0),
+            "save_weights_only: true (no optimizer state: not resumable exactly)",
+        ),
     )
     return [CheckpointMode(name, each, copies * each, copies * each <= free_bytes, how) for name, each, how in sizes]
 
@@ -57,7 +67,11 @@ def fitting_modes_text(modes: list[CheckpointMode], kept: int) -> str:
     if fitting:
         return "checkpoint modes that fit: " + "; ".join(m.describe() for m in fitting)
     smallest = min(modes, key=lambda m: m.bytes_each)
-    fewer = (f"; keeping {kept - 1} instead of {kept} saves {smallest.bytes_each / GIB:.2f} GiB per mode"
-             if kept > 1 else "")
-    return (f"no checkpoint mode fits ({kept} kept + 1 being saved); the smallest, {smallest.describe()}{fewer};"
-            " or turn periodic checkpoints off and keep only the final export")
+    fewer = (
+        f"; keeping {kept - 1} instead of {kept} saves {smallest.bytes_each / GIB:.2f} GiB per mode" if kept > 1 else ""
+    )
+    return (
+        f"no checkpoint mode fits ({kept} kept + 1 being saved); the smallest, {smallest.describe()}{fewer};"
+        f" or turn periodic checkpoints off: one weights-only copy (the final export alone) is"
+        f" {smallest.bytes_each / GIB:.2f} GiB"
+    )

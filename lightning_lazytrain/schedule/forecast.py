@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 
 from lightning_lazytrain.admission import AdmissionReport, admission_report
-from lightning_lazytrain.checkpoint.modes import CheckpointMode, checkpoint_modes
+from lightning_lazytrain.checkpoint.modes import CheckpointMode, checkpoint_modes, fitting_modes_text
 from lightning_lazytrain.engine.grads.homes import HOST_HEADROOM_SHARE, STAGING_BUFFERS, choose_gradient_home
 from lightning_lazytrain.engine.loss import LOSS_CHUNK_BYTES
 from lightning_lazytrain.engine.plan import Schedule
@@ -101,6 +101,7 @@ class Forecast:
     notes: list[str] = field(default_factory=list)
     gradient_home: str = "host"
     checkpoint_modes: list[CheckpointMode] = field(default_factory=list)
+    checkpoints_kept: int = 0
 
     @property
     def fits(self) -> bool:
@@ -127,6 +128,8 @@ class Forecast:
             "model_tflops": self.model_tflops,
             "gradient_home": self.gradient_home,
             "checkpoint_modes": [vars(m) for m in self.checkpoint_modes],
+            "checkpoint_verdict": fitting_modes_text(self.checkpoint_modes, self.checkpoints_kept)
+            if self.checkpoint_modes else None,
         }
 
 
@@ -293,4 +296,5 @@ def forecast(run: RunSpec, machine: Machine, batch: int, profile_for: Callable[[
     config = run.adapter.model.config
     flops = model_flops_per_step(run.trainable_params, run.adapter.num_layers, config.hidden_size, batch, run.seq)
     return Forecast(batch, report, schedule, prediction, flops / prediction.step_s / 1e12, scaling,
-                    gradient_home=gradient_home(run, machine), checkpoint_modes=modes)
+                    gradient_home=gradient_home(run, machine), checkpoint_modes=modes,
+                    checkpoints_kept=run.checkpoints_kept)

@@ -73,6 +73,7 @@ def render(answer: dict) -> str:
         + _plan_lines(asked, r["seq"], r["world_size"], g["bf16_tflops"], device)
         + [f"  gradients wait for the norm on: {asked.get('gradient_home', 'host')} (gradient_home)"]
         + _mode_lines(asked.get("checkpoint_modes") or [])
+        + ([f"  {asked['checkpoint_verdict']}"] if asked.get("checkpoint_verdict") else [])
         + [f"  note: {n}" for n in asked["notes"]]
     )
     best = answer.get("largest")
