@@ -31,9 +31,19 @@ def test_gpu_every_home_gives_the_host_homes_weights(tmp_path, precision):
     for home in ("host", "device", "nvme"):
         module, reserve = HybridModule(copy.deepcopy(model)), Reserve()
         strategy = LazyTrainStrategy(gradient_home=home, device_update_share=0.0, spill_dir=str(tmp_path))
-        trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=strategy, precision=precision, max_steps=3,
-                             logger=False, enable_progress_bar=False, enable_model_summary=False,
-                             enable_checkpointing=False, gradient_clip_val=0.05, callbacks=[reserve])
+        trainer = pl.Trainer(
+            accelerator="gpu",
+            devices=1,
+            strategy=strategy,
+            precision=precision,
+            max_steps=3,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            gradient_clip_val=0.05,
+            callbacks=[reserve],
+        )
         trainer.fit(module, loader(data))
         out[home] = (module.model.cpu(), reserve.reserve, trainer.strategy.last_step_stats["d2h_gib"])
     itemsize = 4 if precision == "32-true" else 2
