@@ -58,9 +58,7 @@ def test_every_gradient_home_matches_plain_lightning_with_clipping(home, tmp_pat
     lt, trainer = fit(HybridModule(copy.deepcopy(model)), data, strategy, [files] if files else [])
     assert rel_diff(ref.model, model) > 1e-3, "clipped steps must move the weights for the comparison to mean much"
     assert rel_diff(lt.model, ref.model) <= 1e-5
-    report = trainer.strategy.admission_report
-    sink = None if trainer.strategy.executor is None else trainer.strategy.executor.sink
-    assert sink is None  # torn down; the report was made at setup
+    report = trainer.strategy.admission_report  # made at setup
     host = report.tiers["host"].pieces
     trainable = sum(p.numel() for p in model.parameters())
     layer = max(sum(p.numel() for p in layer.parameters()) for layer in model.model.layers)
