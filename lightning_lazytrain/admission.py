@@ -13,6 +13,7 @@ lazily at step 1 is refused here, before the kernel's OOM killer would end the r
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -127,6 +128,8 @@ def admission_report(
     disk_bytes: int = 0,
     ranks_per_host: int = 1,
     world_size: int = 1,
+    gradient_home: str = "host",
+    gradient_staging_bytes: int = 0,
 ) -> AdmissionReport:
     """Count every tier's bytes for a configuration.
 
@@ -142,6 +145,9 @@ def admission_report(
         disk_bytes: NVMe-homed boundaries in the spill dir.
         ranks_per_host / world_size: several processes (``world_size > 1``) count one host: the streamed copy
             once (it is shared), masters / gradients / states as the host's ``ranks_per_host / world_size`` share.
+        gradient_home: where the gradients wait for the norm (``engine/grads/homes.py``): off the host
+            (``"device"``, ``"nvme"``) the host holds only ``gradient_staging_bytes`` of staging buffers for them,
+            the GPU tier counts them under ``"device"`` and the disk tier under ``"nvme"``.
         host_have_bytes / gpu_have_bytes / disk_have_bytes: what the machine offers.
     """
     trainable, frozen = _total(num_params), _total(frozen_params)
@@ -155,19 +161,23 @@ def admission_report(
                 host.pieces[piece] = int(b * trainable)
         if frozen:
             host.pieces["frozen weights"] = int(_frozen_bytes_per_param(precision) * frozen)
-    for piece, b in (("pinned slots", pinned_slot_bytes), ("CPU activations", cpu_activation_bytes),
+    grad_bytes = host.pieces.pop("gradients", 0) if gradient_home != "host" else 0
+    for piece, b in (("gradient staging", gradient_staging_bytes if gradient_home != "host" else 0),
+                     ("pinned slots", pinned_slot_bytes), ("CPU activations", cpu_activation_bytes),
                      ("other", host_other_bytes)):
         if b:
             host.pieces[piece] = int(b)
     gpu = TierUsage("GPU", int(gpu_have_bytes), {k: int(v) for k, v in (
         ("weight slots", gpu_slot_bytes), ("resident parts", gpu_resident_bytes), ("kept graphs", gpu_graph_bytes),
         ("workspace", gpu_workspace_bytes), ("GPU activations", gpu_activation_bytes),
+        ("gradients (device home)", grad_bytes if gradient_home == "device" else 0),
         ("allocator margin", gpu_margin_bytes)) if v})
-    disk = TierUsage("disk", int(disk_have_bytes), {"NVMe activations": int(disk_bytes)} if disk_bytes else {})
+    disk = TierUsage("disk", int(disk_have_bytes), {k: int(v) for k, v in (
+        ("NVMe activations", disk_bytes), ("NVMe gradients", grad_bytes if gradient_home == "nvme" else 0)) if v})
     settings = {"trainable_params": trainable, "frozen_params": frozen, "precision": precision,
                 "optimizer_state_bytes_per_param": optimizer_state_bytes_per_param,
                 "grad_accumulation": grad_accumulation, "host_bytes_per_param": sum(per.values()),
-                "ranks_per_host": ranks_per_host, "world_size": world_size}
+                "ranks_per_host": ranks_per_host, "world_size": world_size, "gradient_home": gradient_home}
     report = AdmissionReport({"host": host, "gpu": gpu, "disk": disk}, [], settings)
     # savings scale with the host's share of the sharded pieces
     counted = trainable if world_size == 1 else int(trainable * ranks_per_host / world_size)
@@ -218,6 +228,9 @@ def _suggest(r: AdmissionReport, per: dict[str, float], trainable: int, disk_fre
                 out.append(f"bf16-true + 8-bit states ({both:g} B/param): {note((cur - both) * trainable, host.short)}")
         if s["grad_accumulation"] and per["gradients"] > 2 and s["precision"] != "32-true":
             out.append(f"no gradient accumulation (bf16 grads): {note(2 * trainable, host.short)}")
+        if "gradients" in host.pieces and not s["grad_accumulation"] and s["world_size"] == 1:
+            out.append(f"gradient_home='device' or 'nvme' (with a spill_dir): gradients off the host, "
+                       f"{note(host.pieces['gradients'], host.short)}")
         act = host.pieces.get("CPU activations", 0)
         if act:
             where = "move them to a spill dir" if disk_free >= act else "add a spill dir for them"
@@ -295,7 +308,22 @@ def admission(executor: StreamingExecutor, optimizer: torch.optim.Optimizer | No
         slots, resident = executor.pool.nbytes, executor.resident_device_bytes
         gpu_kw = dict(gpu_have_bytes=device_free_bytes(executor.device) + slots + resident, gpu_slot_bytes=slots,
                       gpu_resident_bytes=resident)
+    device_on_host = 0
+    if executor.device.type != "cuda" and executor.pool is not None:
+        # a run on the CPU accelerator: its "device" copies (weight slots, the resident parts and their gradients)
+        # are host RAM too
+        device_on_host = executor.pool.nbytes + executor.resident_device_bytes
+    home = executor.path.gradient_home if executor.path is not None else "host"
+    staging = getattr(executor.sink, "staging", None)
+    staging_bytes = staging.held_bytes if staging is not None else 0
+    on_host = home == "host" or (home == "device" and executor.device.type != "cuda")  # the CPU "device" is the host
+    disk_kw = {}
+    if staging is not None and staging.spill is not None:  # the file is reserved already: its bytes count as had
+        disk_kw = dict(disk_have_bytes=shutil.disk_usage(staging.spill.root).free + staging.file_bytes)
     return admission_report(
         num_params=trainable, frozen_params=frozen, precision=precision,
         host_have_bytes=psutil.virtual_memory().available + held, optimizer_state_bytes_per_param=state_bpp,
-        grad_accumulation=executor.updates is None, ranks_per_host=ranks_per_host, world_size=world_size, **gpu_kw)
+        grad_accumulation=executor.updates is None, ranks_per_host=ranks_per_host, world_size=world_size,
+        gradient_home="host" if on_host else home, gradient_staging_bytes=staging_bytes,
+        pinned_slot_bytes=staging_bytes if on_host else 0,
+        host_other_bytes=device_on_host, **disk_kw, **gpu_kw)

@@ -42,6 +42,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from lightning_lazytrain import node_load
 from lightning_lazytrain.checkpoint import sharded as sharded_checkpoint
 from lightning_lazytrain.engine import StreamingExecutor
+from lightning_lazytrain.engine.grads.homes import STAGED_HOMES
 from lightning_lazytrain.engine.updates.paths import UpdatePath, direct_path, host_path, sharded_path
 from lightning_lazytrain.engine.updates.placement import DeviceUpdates
 from lightning_lazytrain.engine.weights.store import HostParamStore
@@ -172,13 +173,21 @@ class ProcessGroupStrategy(ParallelStrategy):
         return defer_state_allocation() if self.distributed else contextlib.nullcontext()
 
     def update_path(self, training: bool, optimizer: torch.optim.Optimizer | None, engine_can_update: bool,
-                    device_updates: DeviceUpdates) -> UpdatePath:
+                    device_updates: DeviceUpdates, gradient_home: str = "host") -> UpdatePath:
         """The run's gradient/update path: for training, sharded with several processes (the only way they train),
         else the engine's per-unit updates when the optimizer and loop allow them, else host gradients for
-        Lightning's optimizer step; evaluation runs no backward and gets the host path."""
+        Lightning's optimizer step; evaluation runs no backward and gets the host path. ``gradient_home``
+        (``grads/homes.py``) applies to the engine's per-unit updates; the others keep their gradients on the
+        host."""
         executor = self.executor
         assert executor is not None
         store, queues, timeout = executor.store, executor.queues, executor.timeout_s
+        if training and gradient_home in STAGED_HOMES and (self.distributed or not engine_can_update):
+            raise ValueError(
+                f"gradient_home={gradient_home!r} needs the engine's own updates in one process: one"
+                " lightning_lazytrain.optim.HybridAdamW, automatic optimization, accumulate_grad_batches=1,"
+                " overlap_updates=True and devices=1; or gradient_home='host' (or 'plan')"
+            )
         if training and self.distributed:
             if not engine_can_update:
                 raise ValueError(
@@ -188,7 +197,7 @@ class ProcessGroupStrategy(ParallelStrategy):
                 )
             return sharded_path(store, queues, optimizer, timeout)
         if training and engine_can_update:
-            return direct_path(store, queues, optimizer, device_updates, timeout)
+            return direct_path(store, queues, optimizer, device_updates, timeout, gradient_home, executor.spill_dir)
         return host_path(store, queues, executor.slot_numel, timeout)
 
     @property

@@ -24,6 +24,7 @@ from lightning_lazytrain.checkpointing import CheckpointingStrategy
 from lightning_lazytrain.engine import StreamingExecutor
 from lightning_lazytrain.engine.device import device_free_bytes, prefer_expandable_segments
 from lightning_lazytrain.engine.generation import EvalGeneration
+from lightning_lazytrain.engine.grads.homes import GradientHome, check_gradient_home
 from lightning_lazytrain.engine.updates.placement import DeviceStates, check_device_updates
 from lightning_lazytrain.faults import gpu_out_of_memory
 from lightning_lazytrain.models import adapter_for, find_hf_model
@@ -63,6 +64,11 @@ class LazyTrainStrategy(CheckpointingStrategy):
             the control flow).
         device_update_states: where that share's fp32 masters and optimizer states live between steps: ``"resident"``
             on the GPU, ``"staged"`` copied in and out per update, ``"auto"`` resident on CUDA as far as they fit.
+        gradient_home: with the engine's own updates, where the other units' gradients wait for the global norm
+            (``engine/grads/homes.py``): ``"host"`` pinned host buffers (the whole model's gradients in host RAM),
+            ``"device"`` kept on the GPU and staged to the host unit by unit for the update, ``"nvme"`` written to
+            ``spill_dir`` and read back for the update; ``"plan"`` (default) the host when they fit its RAM, else
+            the device, else NVMe. Clipping uses the exact global norm in every home.
         timeout_s: longest wait for any transfer before an error names it.
         gpu_activation_gib / cpu_activation_gib / nvme_activation_gib: activation budgets for the MILP (default:
             the device memory the plan may use, a quarter of the available host RAM, 80% of the spill dir's free
@@ -107,6 +113,7 @@ class LazyTrainStrategy(CheckpointingStrategy):
         overlap_updates: bool = True,
         device_update_share: float | Literal["plan"] | None = "plan",
         device_update_states: DeviceStates = "auto",
+        gradient_home: GradientHome = "plan",
         timeout_s: float = 600.0,
         gpu_activation_gib: float | None = None,
         cpu_activation_gib: float | None = None,
@@ -135,6 +142,7 @@ class LazyTrainStrategy(CheckpointingStrategy):
         self.fused_kernels = check_fused_kernels(fused_kernels)
         self.overlap_updates = overlap_updates
         self.device_updates = check_device_updates(device_update_share, device_update_states)
+        self.gradient_home = check_gradient_home(gradient_home)
         self.generation_mode = check_generation_mode(generation)
         self.generation: EvalGeneration | None = None
         self.executor: StreamingExecutor | None = None
@@ -201,7 +209,7 @@ class LazyTrainStrategy(CheckpointingStrategy):
         if self.executor.path is None:
             optimizer = self.optimizers[0] if fitting and self.optimizers else None
             self.executor.use_path(self.update_path(fitting, optimizer, fitting and self._engine_can_update(trainer),
-                                                    self.device_updates))
+                                                    self.device_updates, self.gradient_home))
         engine_step = self._engine_step if fitting and self.executor.updates is not None else None
         precision.bind(self.root_device.type, self._drain_gradients, engine_step)
         if fitting:

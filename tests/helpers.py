@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
@@ -168,3 +175,21 @@ class GradRecorder(pl.Callback):
                 near_zero = (g != 0) & (g.abs() <= rel * g.abs().max())
                 out[name] = out[name] | near_zero if name in out else near_zero
         return out
+
+
+@contextlib.contextmanager
+def small_tmpfs(mnt: Path, nbytes: int) -> Iterator[Path]:
+    """A tmpfs of ``nbytes`` mounted at ``mnt`` for disk-full tests (root with CAP_SYS_ADMIN only: skipped
+    elsewhere); unmounted afterwards unless the test did."""
+    mnt.mkdir(exist_ok=True)
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command: cannot build a small file system for the disk-full test")
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={nbytes // 1024}k", "tmpfs", str(mnt)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"mounting a tmpfs needs root with CAP_SYS_ADMIN ({proc.stderr.strip()})")
+    try:
+        yield mnt
+    finally:
+        if os.path.ismount(mnt):
+            subprocess.run(["umount", str(mnt)], check=True)

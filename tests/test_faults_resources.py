@@ -10,7 +10,7 @@ import time
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import batches, tiny_model, train
+from helpers import batches, small_tmpfs, tiny_model, train
 
 import lightning_lazytrain  # noqa: F401
 from lightning_lazytrain import LazyTrainStrategy
@@ -33,17 +33,8 @@ PROMPT_S = 60
 @pytest.fixture
 def tiny_fs(tmp_path):
     """A 256 KiB tmpfs at ``tmp_path/spill`` (root with CAP_SYS_ADMIN only: skipped elsewhere)."""
-    mnt = tmp_path / "spill"
-    mnt.mkdir()
-    if shutil.which("mount") is None:
-        pytest.skip("no mount command: cannot build a 256 KiB file system for the disk-full test")
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={FS_BYTES // 1024}k", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"mounting a tmpfs needs root with CAP_SYS_ADMIN ({proc.stderr.strip()})")
-    yield mnt
-    if os.path.ismount(mnt):
-        subprocess.run(["umount", str(mnt)], check=True)
+    with small_tmpfs(tmp_path / "spill", FS_BYTES) as mnt:
+        yield mnt
 
 
 def _plan(tmp_path):
@@ -72,6 +63,26 @@ def test_full_spill_disk_names_dir_bytes_and_fix_and_leaves_it_empty(tmp_path, t
     assert "nvme_activation_gib below the free space" in msg and "larger disk" in msg and "'nvme' homes" in msg
     assert seconds < PROMPT_S
     assert os.listdir(tiny_fs) == [] and shutil.disk_usage(tiny_fs).used == 0, "every spill byte was given back"
+
+
+def test_nvme_gradient_home_on_a_full_disk_is_refused_at_setup_leaving_nothing(tiny_fs):
+    """The gradient file (the tiny model's 856 KiB of fp32 gradients) is reserved whole at setup: a disk too small
+    stops the run there, before step 1, and leaves the disk as it was."""
+    from helpers import LMModule
+
+    from lightning_lazytrain.optim import HybridAdamW
+
+    class Hybrid(LMModule):
+        def configure_optimizers(self):
+            return HybridAdamW(self.parameters(), lr=1e-3)
+
+    strategy = LazyTrainStrategy(gradient_home="nvme", spill_dir=str(tiny_fs))
+    with pytest.raises(SpillError) as info:
+        train(tiny_model("qwen2"), batches(1), strategy=strategy, module_cls=Hybrid)
+    msg = str(info.value)
+    grads = 4 * sum(p.numel() for p in tiny_model("qwen2").parameters())
+    assert f"spill_dir '{tiny_fs}': is full writing the gradient file" in msg and f"asked for {grads} bytes" in msg
+    assert os.listdir(tiny_fs) == [] and shutil.disk_usage(tiny_fs).used == 0
 
 
 def test_spill_disk_unmounted_mid_run_is_reported_and_nothing_is_left(tmp_path, tiny_fs):

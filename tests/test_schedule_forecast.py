@@ -225,7 +225,7 @@ def test_boundaries_short_of_the_default_cpu_budget_say_where_it_came_from():
 
 
 def test_host_shortfall_is_reported_with_the_plan():
-    run = _run(_meta(Qwen2Config(**QWEN25_7B)))
+    run = _run(_meta(Qwen2Config(**QWEN25_7B)), gradient_home="host")  # "plan" would move them to the GPU
     f = forecast(run, _machine(80, host_gib=64), 16, _analytic(run))
     assert f.fits_gpu and not f.fits
     host = f.report.tiers["host"]

@@ -146,10 +146,15 @@ class _HashingWriter:
         self.file = file
         self.sha256 = hashlib.sha256()
         self.size = 0
+        self.error: OSError | None = None  # the first failed write (a full disk), which torch.save then hides
 
     def write(self, data: Any) -> int:
         self.sha256.update(data)
-        written = self.file.write(data)
+        try:
+            written = self.file.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
         self.size += written
         return written
 
@@ -160,7 +165,16 @@ class _HashingWriter:
 def _write_hashed(obj: Any, tmp: str) -> dict[str, Any]:
     with open(tmp, "wb") as f:
         writer = _HashingWriter(f)
-        torch.save(obj, writer)
+        try:
+            torch.save(obj, writer)
+        except RuntimeError as exc:
+            # torch's zip writer answers a failed write by failing to close the archive ("unexpected pos"), which
+            # hides the cause: the disk's own error is the one to report
+            if writer.error is None:
+                raise
+            err = writer.error
+            raise OSError(err.errno, f"{err.strerror}: writing checkpoint {tmp} failed after {writer.size} bytes;"
+                          " the previous checkpoint is left as it was") from exc
         f.flush()
         os.fsync(f.fileno())
     return {"size": writer.size, "sha256": writer.sha256.hexdigest()}

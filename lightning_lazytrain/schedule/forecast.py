@@ -19,6 +19,8 @@ from typing import Literal
 import torch
 
 from lightning_lazytrain.admission import AdmissionReport, admission_report
+from lightning_lazytrain.checkpoint.modes import CheckpointMode, checkpoint_modes, fitting_modes_text
+from lightning_lazytrain.engine.grads.homes import HOST_HEADROOM_SHARE, STAGING_BUFFERS, choose_gradient_home
 from lightning_lazytrain.engine.loss import LOSS_CHUNK_BYTES
 from lightning_lazytrain.engine.plan import Schedule
 from lightning_lazytrain.models.adapter import ModelAdapter
@@ -71,6 +73,7 @@ class RunSpec:
     checkpoints_kept: int = 0  # full-state checkpoints the run keeps on disk (Lightning's default callback: 1)
     checkpoints_weights_only: bool = False  # those checkpoints hold the masters only (save_weights_only)
     fused_kernels: str = "auto"  # "auto": Liger's kernels when liger-kernel is installed here, as the run would
+    gradient_home: str = "plan"  # where the gradients wait for the norm (`gradient_home.py`)
 
     @property
     def stream_dtype(self) -> torch.dtype:
@@ -96,6 +99,9 @@ class Forecast:
     model_tflops: float = 0.0
     scaling: str = ""
     notes: list[str] = field(default_factory=list)
+    gradient_home: str = "host"
+    checkpoint_modes: list[CheckpointMode] = field(default_factory=list)
+    checkpoints_kept: int = 0
 
     @property
     def fits(self) -> bool:
@@ -120,10 +126,16 @@ class Forecast:
             "schedule": None if self.schedule is None else json.loads(self.schedule.to_json()),
             "prediction": None if self.prediction is None else self.prediction.to_dict(),
             "model_tflops": self.model_tflops,
+            "gradient_home": self.gradient_home,
+            "checkpoint_modes": [vars(m) for m in self.checkpoint_modes],
+            "checkpoint_verdict": fitting_modes_text(self.checkpoint_modes, self.checkpoints_kept)
+            if self.checkpoint_modes else None,
         }
 
 
-def _host_report(run: RunSpec, machine: Machine, cpu_act: int = 0, disk: int = 0, gpu: dict | None = None):
+def _host_report(run: RunSpec, machine: Machine, cpu_act: int = 0, disk: int = 0, gpu: dict | None = None,
+                 home: str | None = None):
+    home = gradient_home(run, machine) if home is None else home
     return admission_report(
         num_params=run.trainable_params,
         host_have_bytes=machine.host_available_bytes,
@@ -136,15 +148,48 @@ def _host_report(run: RunSpec, machine: Machine, cpu_act: int = 0, disk: int = 0
         disk_bytes=disk,
         ranks_per_host=run.ranks_per_host,
         world_size=run.world_size,
+        gradient_home=home,
+        gradient_staging_bytes=staging_bytes(run) if home != "host" else 0,
         **(gpu or {}),
     )
+
+
+def gradient_bytes(run: RunSpec) -> int:
+    """Every trainable parameter's gradient in the stream dtype."""
+    return run.trainable_params * run.stream_dtype.itemsize
+
+
+def staging_bytes(run: RunSpec) -> int:
+    """The staging buffers of a gradient home off the host: the largest layer's (or parameter's) size, twice."""
+    layer = max(sum(p.numel() for p in layer.parameters()) for layer in run.adapter.layers)
+    largest = max(p.numel() for p in run.adapter.model.parameters())
+    return STAGING_BUFFERS * max(layer, largest) * run.stream_dtype.itemsize
+
+
+def gradient_home(run: RunSpec, machine: Machine) -> str:
+    """The home the run's gradients get on ``machine``, as the strategy decides ``"plan"`` at setup
+    (`engine/grads/homes.py`): the host when 90% of the host RAM left after the run's other pieces holds them,
+    else the device when they fit half its memory beside the resident copy, else NVMe with a spill dir. Several
+    processes and gradient accumulation keep them on the host."""
+    if run.gradient_home != "plan":
+        return run.gradient_home
+    if run.world_size > 1 or run.grad_accumulation:
+        return "host"
+    without = _host_report(run, machine, home="host").tiers["host"].need - gradient_bytes(run)
+    left = int((machine.host_available_bytes - without) * (1 - HOST_HEADROOM_SHARE))
+    resident = gpu_layout(run.adapter, run.stream_dtype).resident_copy_bytes
+    device = machine.gpu.memory_bytes - resident if machine.gpu.name != "cpu" else None
+    return choose_gradient_home(gradient_bytes(run), left, device, run.spill_dir)
 
 
 def gpu_total_bytes(run: RunSpec, machine: Machine) -> int:
     """Device bytes the strategy's plan may use on ``machine`` (`planner.gpu_total_bytes` at the first batch): the
     GPU's memory less the executor's resident embedding/norm/head copy, the one piece it holds outside the plan
-    when the free memory is measured (its slot pool is added back), less the allocator's margin."""
-    return plan_total_bytes(machine.gpu.memory_bytes - gpu_layout(run.adapter, run.stream_dtype).resident_copy_bytes)
+    when the free memory is measured (its slot pool is added back), less the gradients of a device home (the
+    strategy's reserve), less the allocator's margin."""
+    reserve = gradient_bytes(run) if gradient_home(run, machine) == "device" else 0
+    resident = gpu_layout(run.adapter, run.stream_dtype).resident_copy_bytes
+    return plan_total_bytes(machine.gpu.memory_bytes - resident - reserve)
 
 
 def budgets(run: RunSpec, machine: Machine) -> tuple[int, int, int]:
@@ -206,7 +251,8 @@ def _gpu_pieces(run: RunSpec, machine: Machine, problem: ScheduleProblem, schedu
     charges the plan; their sum is at most the GPU's memory exactly when that row holds."""
     resident = gpu_layout(run.adapter, run.stream_dtype).resident_copy_bytes
     charged = plan_gpu_pieces(problem, schedule.tiers, schedule.keep_graph, schedule.mlp_recompute)
-    available = max(0, machine.gpu.memory_bytes - resident)
+    reserve = gradient_bytes(run) if gradient_home(run, machine) == "device" else 0
+    available = max(0, machine.gpu.memory_bytes - resident - reserve)
     return dict(
         gpu_slot_bytes=charged["slots"],
         gpu_resident_bytes=resident,
@@ -237,13 +283,18 @@ def forecast(run: RunSpec, machine: Machine, batch: int, profile_for: Callable[[
     report = _host_report(
         run, machine, cpu_act=sizes["cpu"], disk=sizes["nvme"], gpu=_gpu_pieces(run, machine, problem, schedule)
     )
+    modes = []
     if run.checkpoints_kept:
         state = 0.0 if run.checkpoints_weights_only else run.optimizer_state_bytes_per_param
         report.tiers["checkpoint"] = checkpoint_tier(
             run.trainable_params, run.precision, state, run.checkpoints_kept, machine.checkpoint_free_bytes
         )
+        modes = checkpoint_modes(run.trainable_params, run.precision, run.optimizer_state_bytes_per_param,
+                                 run.checkpoints_kept, machine.checkpoint_free_bytes)
     share = run.ranks_per_host / run.world_size  # the host's CPU updates this share of the parameters
     prediction = predict_step(profile, schedule, run.trainable_params * share / machine.update_params_per_s)
     config = run.adapter.model.config
     flops = model_flops_per_step(run.trainable_params, run.adapter.num_layers, config.hidden_size, batch, run.seq)
-    return Forecast(batch, report, schedule, prediction, flops / prediction.step_s / 1e12, scaling)
+    return Forecast(batch, report, schedule, prediction, flops / prediction.step_s / 1e12, scaling,
+                    gradient_home=gradient_home(run, machine), checkpoint_modes=modes,
+                    checkpoints_kept=run.checkpoints_kept)

@@ -18,6 +18,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from lightning_lazytrain.checkpoint.modes import checkpoint_modes, fitting_modes_text
 from lightning_lazytrain.schedule.disk import checkpoint_bytes, checkpoint_tier, checkpoints_kept, free_bytes
 
 GB = 1e9
@@ -112,10 +113,11 @@ class ResumableModelCheckpoint(ModelCheckpoint):
             fixes.append(f"save_weights_only: true ({weights / GB:.1f} GB each, but no optimizer states: not"
                          " resumable exactly)")
         freed = f" (counting {reclaimed / GB:.1f} GB of this run's checkpoints there)" if reclaimed else ""
+        modes = fitting_modes_text(checkpoint_modes(num_params, precision, state, kept, tier.have), kept)
         raise CheckpointDiskError(
             f"the checkpoints do not fit the disk at {directory}: {kept + 1} {kind} checkpoints ({kept} kept, 1 being"
             f" saved) of {one / GB:.1f} GB each [{what}] need {tier.need / GB:.1f} GB, {tier.have / GB:.1f} GB is"
-            f" free{freed}. Change in the {type(self).__name__} callback: {'; or '.join(fixes)}."
+            f" free{freed}. Change in the {type(self).__name__} callback: {'; or '.join(fixes)}. {modes}."
         )
 
     def _saves(self, trainer: pl.Trainer) -> int | None:

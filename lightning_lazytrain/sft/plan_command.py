@@ -61,6 +61,12 @@ class PlanCLI(LazyTrainCLI):
             help="plan for a host with this much available RAM instead of this machine's",
         )
         parser.add_argument(
+            "--disk_gib",
+            type=float | None,
+            default=None,
+            help="plan for a checkpoint disk with this much free space instead of the checkpoint dir's",
+        )
+        parser.add_argument(
             "--update_gparams_per_s",
             type=float | None,
             default=None,
@@ -226,7 +232,7 @@ def _plan(cli: PlanCLI) -> dict:
         host_available,
         shutil.disk_usage(disk_dir).free if run.spill_dir else 0,
         update_rate,
-        free_bytes(_checkpoint_dir(trainer)),
+        int(cfg["disk_gib"] * GIB) if cfg.get("disk_gib") is not None else free_bytes(_checkpoint_dir(trainer)),
     )
     batch = int(data.get("batch_size") or 1)
     asked = forecast(run, machine, batch, profile_for)

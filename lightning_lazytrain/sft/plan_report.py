@@ -46,6 +46,12 @@ def _plan_lines(f: dict, seq: int, world: int, peak_tflops: float, device: str) 
     ]
 
 
+def _mode_lines(modes: list[dict]) -> list[str]:
+    """The checkpoint modes (`checkpoint/modes.py`) and whether each fits the checkpoint disk."""
+    return [f"  checkpoint mode {m['name']}: {m['need_bytes'] / GIB:.2f} GiB ({m['bytes_each'] / GIB:.2f} GiB each)"
+            f" {'fits' if m['fits'] else 'does not fit'}; {m['how']}" for m in modes]
+
+
 def render(answer: dict) -> str:
     m, g, r, asked = answer["model"], answer["gpu"], answer["run"], answer["asked"]
     device = "CPU" if g["name"] == "cpu" else "GPU"  # plan_machine.cpu_machine: a run on the CPU
@@ -65,6 +71,9 @@ def render(answer: dict) -> str:
     out += (
         _tiers(asked, device)
         + _plan_lines(asked, r["seq"], r["world_size"], g["bf16_tflops"], device)
+        + [f"  gradients wait for the norm on: {asked.get('gradient_home', 'host')} (gradient_home)"]
+        + _mode_lines(asked.get("checkpoint_modes") or [])
+        + ([f"  {asked['checkpoint_verdict']}"] if asked.get("checkpoint_verdict") else [])
         + [f"  note: {n}" for n in asked["notes"]]
     )
     best = answer.get("largest")

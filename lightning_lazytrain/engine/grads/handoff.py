@@ -26,7 +26,10 @@ class UnitGrads:
     refs: list | None = None  # the sharded sink's collective buffers the copy still reads; dropped once it is done
     fresh: bool = False  # gradients arrived since the unit's last update was queued
     on_device: bool = False  # updated on the GPU (``updates/device.py``): gradients kept on the device
-    kept: list | None = None  # those device gradients, aligned with ``unit.unique``
+    kept: list | None = None  # those device gradients (or the device home's), aligned with ``unit.unique``
+    pieces: list[list[int]] | None = None  # staged homes (``homes.py``): the unit's pieces, staged one by one
+    written: list | None = None  # nvme home: per piece, the future of its write to the spill file
+    staged: list | None = None  # staged homes, at the update: per piece, the future of its staging buffer
 
 
 class HandoffSink:
@@ -68,8 +71,8 @@ class HandoffSink:
         self.take_norm_sq()
         self.forget()
         for grads in self.grads.values():
-            grads.kept = grads.refs = None
+            grads.kept = grads.refs = grads.staged = None
 
     def close(self) -> None:
         for grads in self.grads.values():
-            grads.host = grads.refs = grads.kept = None
+            grads.host = grads.refs = grads.kept = grads.staged = None

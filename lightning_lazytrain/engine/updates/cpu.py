@@ -128,6 +128,8 @@ class UpdateQueue(UnitUpdateQueue):
 
     def _start(self, unit: ParamUnit, coef: float, lr_of: dict[int, float]) -> Future | CopiedOut:
         handoff = self.sink.of(unit)
+        if handoff.pieces is not None:  # a staged gradient home: its pieces are staged ahead of the job
+            self.sink.stage(unit)
         if not handoff.on_device or self.device_path is None:
             return super()._start(unit, coef, lr_of)
         start = time.perf_counter()
@@ -142,11 +144,42 @@ class UpdateQueue(UnitUpdateQueue):
     def _run(self, unit: ParamUnit, clip_coef: float, lr_of: dict[int, float]) -> None:
         chosen = self._chosen(unit)
         handoff = self.sink.of(unit)
-        host_wait(handoff.ready, f"the gradient copy of {unit.label}", self.timeout_s)
-        grads = [handoff.host[unit.unique[i].offset : unit.unique[i].offset + p.numel()].view(p.shape)
-                 for i, p in chosen]
-        self.optimizer.step_params([p for _, p in chosen], clip_coef, grads, lr_of)
+        if handoff.staged is not None:
+            staged, handoff.staged = handoff.staged, None
+            self._run_staged(unit, chosen, staged, clip_coef, lr_of)
+        else:
+            host_wait(handoff.ready, f"the gradient copy of {unit.label}", self.timeout_s)
+            self._step(unit, chosen, handoff.host, 0, clip_coef, lr_of)
         self.versions.written(unit)
+
+    def _run_staged(self, unit: ParamUnit, chosen: list[tuple[int, torch.Tensor]], staged: list[Future],
+                    clip_coef: float, lr_of: dict[int, float]) -> None:
+        """Update ``unit`` piece by piece from the staging buffers the sink fills ahead of it
+        (``grads/staging.py``), handing each buffer back once its piece is updated."""
+        pending = list(zip(self.sink.of(unit).pieces, staged, strict=True))
+        try:
+            while pending:
+                piece, future = pending.pop(0)
+                buffer, (data, event) = future.result(timeout=self.timeout_s)
+                try:
+                    host_wait(event, f"the gradient staging of {unit.label}", self.timeout_s)
+                    members = set(piece)
+                    start = unit.unique[piece[0]].offset
+                    self._step(unit, [(i, p) for i, p in chosen if i in members], data, start, clip_coef, lr_of)
+                finally:
+                    self.sink.staging.release(buffer)
+        finally:
+            for _, future in pending:  # a failed piece: the buffers staged after it go back too
+                if future.exception(timeout=self.timeout_s) is None:
+                    self.sink.staging.release(future.result()[0])
+
+    def _step(self, unit: ParamUnit, chosen: list[tuple[int, torch.Tensor]], flat: torch.Tensor, start: int,
+              clip_coef: float, lr_of: dict[int, float]) -> None:
+        """``step_params`` over ``chosen`` (indices into ``unit.unique``, parameters) with gradients viewed from
+        ``flat``, which holds ``unit``'s flat layout from element ``start`` on."""
+        offsets = [unit.unique[i].offset - start for i, _ in chosen]
+        grads = [flat[o : o + p.numel()].view(p.shape) for o, (_, p) in zip(offsets, chosen)]
+        self.optimizer.step_params([p for _, p in chosen], clip_coef, grads, lr_of)
 
     def _close_paths(self) -> None:
         if self.device_path is not None:

@@ -10,12 +10,15 @@ The executor is given one path and keeps it for the run; nothing is built to be 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import psutil
 import torch
 
-from lightning_lazytrain.engine.device import DeviceQueues
+from lightning_lazytrain.engine.device import DeviceQueues, device_free_bytes
 from lightning_lazytrain.engine.grads.direct import DirectGradSink
+from lightning_lazytrain.engine.grads.homes import HOST_HEADROOM_SHARE, choose_gradient_home
 from lightning_lazytrain.engine.grads.host import GradSink
 from lightning_lazytrain.engine.grads.sharded import ShardedGradSink
 from lightning_lazytrain.engine.updates.cpu import UpdateQueue
@@ -26,6 +29,8 @@ from lightning_lazytrain.engine.weights.shared_store import SharedParamStore
 from lightning_lazytrain.engine.weights.store import HostParamStore
 from lightning_lazytrain.optim import NonFiniteGuard, clip_coefficient, managed_ids
 
+log = logging.getLogger(__name__)
+
 
 class UpdatePath:
     """One run's gradient sink and, when the engine runs the update itself, its update queue."""
@@ -33,6 +38,7 @@ class UpdatePath:
     def __init__(self, sink: GradSink | DirectGradSink | ShardedGradSink,
                  updates: UpdateQueue | ShardedUpdateQueue | None = None, device_reserve_bytes: int = 0) -> None:
         self.sink, self.updates = sink, updates
+        self.gradient_home = getattr(sink, "home", "host")  # where the gradients wait for the norm (grads/homes.py)
         self.device_reserve_bytes = device_reserve_bytes  # device memory the plan must leave the device-side updates
 
     @property
@@ -103,17 +109,22 @@ def host_path(store: HostParamStore, queues: DeviceQueues, staging_numel: int, t
 
 
 def direct_path(store: HostParamStore, queues: DeviceQueues, optimizer: torch.optim.Optimizer,
-                device_updates: DeviceUpdates, timeout_s: float) -> UpdatePath:
-    """The engine runs ``optimizer.step_params`` per unit from bf16 host gradients, off the main thread.
+                device_updates: DeviceUpdates, timeout_s: float, gradient_home: str = "host",
+                spill_dir: str | None = None) -> UpdatePath:
+    """The engine runs ``optimizer.step_params`` per unit from bf16 gradients, off the main thread.
 
     ``device_updates``: the share of parameters whose update runs on the GPU beside the CPU's
     (``updates/placement.py``; ``None`` picks it from the measured CPU update and link rates on CUDA and is 0 on the
-    CPU), and whether their masters and states stay on the device between steps.
+    CPU), and whether their masters and states stay on the device between steps. ``gradient_home``: where the
+    other units' gradients wait for the norm (``grads/homes.py``; ``"plan"``: the one that fits this host).
     """
     units = store.units
     on_device, reserve, resident = assign_device_updates(units, optimizer, device_updates, queues.device,
                                                          store.stream_dtype.itemsize)
-    sink = DirectGradSink(store, queues, store.stream_dtype, on_device)
+    if gradient_home == "plan":
+        gradient_home = planned_gradient_home(store, queues.device, on_device, spill_dir)
+    sink = DirectGradSink(store, queues, store.stream_dtype, on_device, gradient_home, spill_dir, timeout_s)
+    reserve += sink.device_bytes()  # the device home's gradients wait there beside the plan's activations
     if store.master_dtype != store.stream_dtype:
         managed = managed_ids(optimizer)
         for unit in units:
@@ -123,6 +134,22 @@ def direct_path(store: HostParamStore, queues: DeviceQueues, optimizer: torch.op
     device_units = [u for u, flag in zip(units, on_device, strict=True) if flag]
     device_path = DeviceUpdatePath(optimizer, device_units, queues, timeout_s, resident) if device_units else None
     return UpdatePath(sink, UpdateQueue(optimizer, store.versions, sink, timeout_s, device_path), reserve)
+
+
+def planned_gradient_home(store: HostParamStore, device: torch.device, on_device: list[bool],
+                          spill_dir: str | None) -> str:
+    """``gradient_home="plan"`` at setup: the host when its available RAM, less ``HOST_HEADROOM_SHARE`` of it for
+    what the run holds besides (CPU activation homes, the data loader), holds the gradients of the CPU-updated
+    units, else the device, else NVMe (``choose_gradient_home``). The masters, streamed copy and ``HybridAdamW``'s
+    states exist by now, so the available RAM is what is left after them."""
+    grad_bytes = sum(u.trainable_numel * store.stream_dtype.itemsize
+                     for u, flag in zip(store.units, on_device, strict=True) if not flag)
+    host_left = int(psutil.virtual_memory().available * (1 - HOST_HEADROOM_SHARE))
+    free = device_free_bytes(device) if device.type == "cuda" else None
+    home = choose_gradient_home(grad_bytes, host_left, free, spill_dir)
+    log.info("lazytrain: gradient home %s (%.2f GiB of gradients; host RAM left %.2f GiB%s)", home, grad_bytes / 2**30,
+             host_left / 2**30, "" if free is None else f", device free {free / 2**30:.2f} GiB")
+    return home
 
 
 def sharded_path(store: SharedParamStore, queues: DeviceQueues, optimizer: torch.optim.Optimizer,
