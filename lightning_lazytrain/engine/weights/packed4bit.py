@@ -120,3 +120,15 @@ class Packed4bit:
         return Params4bit(views[("", "data")], requires_grad=False, quant_state=state, blocksize=self.blocksize,
                           compress_statistics=self.compress_statistics, quant_type=self.quant_type,
                           quant_storage=self.quant_storage, bnb_quantized=True)
+
+
+def packed_4bit_nbytes(numel: int, blocksize: int = 64, compress_statistics: bool = True) -> int:
+    """Bytes :meth:`Packed4bit.of` lays out for a weight of ``numel`` elements that bitsandbytes' ``quantize_4bit``
+    packs (uint8 storage): the codes, the absmax per block (8-bit with a nested fp32 absmax per 256 blocks and the
+    nested 256-entry code and offset under ``compress_statistics``, else fp32), the 16-entry fp32 code. For the
+    plan, which never quantizes."""
+    blocks = -(-numel // blocksize)
+    parts = [-(-numel // 2), blocks if compress_statistics else 4 * blocks, 16 * 4]
+    if compress_statistics:
+        parts += [4, 4 * -(-blocks // 256), 256 * 4]  # offset, nested absmax, nested code
+    return sum(_aligned(n) for n in parts)
