@@ -3,8 +3,9 @@
 ``CausalLMModule(lora=LoraOptions(r=16))`` (in a recipe ``model.lora.r: 16``, on the command line
 ``--model.lora.r 16``) wraps the built model with ``peft.get_peft_model``; everything but the adapters is then
 frozen, and lazytrain holds that base once, as its streamed copy, and saves only the adapters in checkpoints.
-``quantize: nf4`` (or ``fp4``) is QLoRA: the decoder layers' linear layers are quantized by bitsandbytes to 4 bits
-before the adapters are added (``models/quantize.py``), and lazytrain holds and streams them in that packed form.
+``quantize: nf4`` (or ``fp4``) is QLoRA: the module builds the model layer by layer with its decoder layers' linear
+layers quantized by bitsandbytes to 4 bits (``model_loading.build_quantized_model``) before the adapters are
+added, and lazytrain holds and streams them in that packed form.
 peft and bitsandbytes are the ``lora`` extra (``pip install lightning-lazytrain[lora]``).
 """
 
@@ -15,8 +16,7 @@ from typing import Literal
 
 from torch import nn
 
-from lightning_lazytrain.models import adapter_for
-from lightning_lazytrain.models.quantize import QUANT_TYPES, quantize_layers
+from lightning_lazytrain.models.quantize import QUANT_TYPES
 
 #: the linear layers of a Qwen/Llama decoder layer (attention and MLP projections)
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -59,13 +59,9 @@ def check_lora(options: LoraOptions) -> None:
 
 
 def add_adapters(model: nn.Module, options: LoraOptions) -> nn.Module:
-    """``model`` wrapped by peft with LoRA on ``options.target_modules``; its other parameters frozen, its decoder
-    layers' linear layers first quantized to 4 bits under ``quantize: nf4|fp4``."""
+    """``model`` wrapped by peft with LoRA on ``options.target_modules``; its other parameters frozen (a 4-bit
+    base is built so beforehand: ``model_loading.build_quantized_model``)."""
     from peft import LoraConfig, get_peft_model
-
-    if options.quantize != "none":
-        # the dequantized weights meet the activations in the model's dtype (bf16 for the GPU recipes)
-        quantize_layers(adapter_for(model).layers, options.quantize, compute_dtype=model.dtype)
 
     config = LoraConfig(r=options.r, lora_alpha=options.alpha, lora_dropout=options.dropout,
                         target_modules=list(options.target_modules), task_type="CAUSAL_LM")
