@@ -18,7 +18,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from lightning_lazytrain.models.adapter import adapter_for
-from lightning_lazytrain.models.quantize import QuantType, quantize_layer
+from lightning_lazytrain.models.quantize import QuantType, mark_4bit, quantize_layer
 
 _INDEX = "model.safetensors.index.json"
 
@@ -101,6 +101,7 @@ def build_quantized(config: PretrainedConfig, quant_type: QuantType, dtype: torc
     _materialise(model, [(n, m) for n, m in rest if not (tied and m is head)], shards)
     if tied:
         head.weight = model.get_input_embeddings().weight
+    mark_4bit(model)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise RuntimeError(f"{type(model).__name__}: {left[0]} was not materialised by the layer-by-layer build")

@@ -46,7 +46,33 @@ def quantize_layer(layer: nn.Module, quant_type: QuantType, compute_dtype: torch
     return len(targets)
 
 
+def mark_4bit(model: nn.Module) -> None:
+    """Say on ``model`` what transformers says of a model it loaded in 4 bits: peft reads it to wrap the 4-bit
+    layers with its own 4-bit LoRA layers (whose merge dequantizes the base)."""
+    model.is_loaded_in_4bit = True
+
+
 def quantize_layers(layers: Iterable[nn.Module], quant_type: QuantType,
                     compute_dtype: torch.dtype | None = None) -> int:
     """:func:`quantize_layer` over ``layers``, one after the other; returns the linear layers replaced."""
     return sum(quantize_layer(layer, quant_type, compute_dtype) for layer in layers)
+
+
+def is_4bit_linear(module: nn.Module) -> bool:
+    return type(module).__name__ == "Linear4bit" and hasattr(module.weight, "quant_state")
+
+
+def dequantized_weight(module: nn.Module) -> torch.Tensor:
+    """A ``Linear4bit``'s weight as bitsandbytes dequantizes it (the dtype it was quantized from)."""
+    import bitsandbytes.functional as F
+
+    return F.dequantize_4bit(module.weight.data, module.weight.quant_state)
+
+
+def full_precision_linear(module: nn.Module, weight: torch.Tensor, dtype: torch.dtype) -> nn.Linear:
+    """An ``nn.Linear`` with ``weight`` (out x in) and ``module``'s bias, in ``dtype``: a 4-bit layer undone."""
+    out = nn.Linear(weight.shape[1], weight.shape[0], bias=module.bias is not None, dtype=dtype, device="meta")
+    out.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
+    if module.bias is not None:
+        out.bias = nn.Parameter(module.bias.data.to(dtype), requires_grad=False)
+    return out
