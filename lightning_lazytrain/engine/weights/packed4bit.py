@@ -58,7 +58,6 @@ class Packed4bit:
 
     parts: tuple[_Part, ...]
     nbytes: int
-    param_shape: torch.Size
     blocksize: int
     quant_type: str
     compress_statistics: bool
@@ -70,6 +69,7 @@ class Packed4bit:
 
     @classmethod
     def of(cls, param: torch.Tensor) -> Packed4bit:
+        """The layout of a quantized ``Params4bit`` (``is_packed_4bit``), its parts in ``_tensors_of`` order."""
         parts, start = [], 0
         for owner, name, tensor in _tensors_of(param):
             nbytes = tensor.numel() * tensor.element_size()
@@ -77,7 +77,7 @@ class Packed4bit:
             start += _aligned(nbytes)
         state = param.quant_state
         nested = state.state2
-        return cls(tuple(parts), start, param.shape, state.blocksize, state.quant_type, param.compress_statistics,
+        return cls(tuple(parts), start, state.blocksize, state.quant_type, param.compress_statistics,
                    param.quant_storage, torch.Size(state.shape), state.dtype,
                    nested.blocksize if nested is not None else None, nested.dtype if nested is not None else None)
 
