@@ -26,6 +26,7 @@ from lightning_lazytrain.units import GIB
 
 if TYPE_CHECKING:
     from lightning_lazytrain.engine.executor import StreamingExecutor
+    from lightning_lazytrain.engine.weights.layout import ParamUnit
 
 PRECISIONS = ("bf16-mixed", "bf16-true", "32-true")
 
@@ -113,6 +114,7 @@ def admission_report(
     gpu_have_bytes: int,
     disk_have_bytes: int = 0,
     frozen_params: int | Iterable[int] = 0,
+    frozen_4bit_bytes: int = 0,
     precision: str = "bf16-mixed",
     optimizer_state_bytes_per_param: float = 8.0,
     grad_accumulation: bool = False,
@@ -135,7 +137,9 @@ def admission_report(
 
     Args:
         num_params: trainable parameter count, or per-layer counts (summed).
-        frozen_params: parameters that are streamed but not trained (no grads / states).
+        frozen_params: parameters that are streamed but not trained (no grads / states), in the stream dtype.
+        frozen_4bit_bytes: the bytes of a 4-bit (QLoRA) base as the store holds it: packed codes, quant state and
+            alignment (``engine/weights/packed4bit.py``); its parameters are not in ``frozen_params``.
         pinned_slot_bytes: host staging buffers beyond the parameter store (e.g. grad bounce buffers).
         cpu_activation_bytes: boundaries the schedule homes in pinned CPU memory.
         host_other_bytes: anything else the caller knows of (dataloader workers, tokenizer, ...).
@@ -161,6 +165,8 @@ def admission_report(
                 host.pieces[piece] = int(b * trainable)
         if frozen:
             host.pieces["frozen weights"] = int(_frozen_bytes_per_param(precision) * frozen)
+        if frozen_4bit_bytes:
+            host.pieces["4-bit frozen weights"] = int(frozen_4bit_bytes)
     grad_bytes = host.pieces.pop("gradients", 0) if gradient_home != "host" else 0
     for piece, b in (("gradient staging", gradient_staging_bytes if gradient_home != "host" else 0),
                      ("pinned slots", pinned_slot_bytes), ("CPU activations", cpu_activation_bytes),
@@ -174,7 +180,8 @@ def admission_report(
         ("allocator margin", gpu_margin_bytes)) if v})
     disk = TierUsage("disk", int(disk_have_bytes), {k: int(v) for k, v in (
         ("NVMe activations", disk_bytes), ("NVMe gradients", grad_bytes if gradient_home == "nvme" else 0)) if v})
-    settings = {"trainable_params": trainable, "frozen_params": frozen, "precision": precision,
+    settings = {"trainable_params": trainable, "frozen_params": frozen, "frozen_4bit_bytes": frozen_4bit_bytes,
+                "precision": precision,
                 "optimizer_state_bytes_per_param": optimizer_state_bytes_per_param,
                 "grad_accumulation": grad_accumulation, "host_bytes_per_param": sum(per.values()),
                 "ranks_per_host": ranks_per_host, "world_size": world_size, "gradient_home": gradient_home}
@@ -285,9 +292,10 @@ def admission(executor: StreamingExecutor, optimizer: torch.optim.Optimizer | No
     for the whole host: the shared streamed copy once, every local rank's private buffers ``ranks_per_host``
     times (they are all the same size, up to padding)."""
     store = executor.store
-    params = [e.param for u in store.units for e in u.unique]
+    params = [e.param for u in store.units for e in u.unique if e.packed is None]
     trainable = sum(p.numel() for p in params if p.requires_grad)
     frozen = sum(p.numel() for p in params if not p.requires_grad)
+    frozen_4bit = sum(_packed_bytes(u) for u in store.units)
     shared = getattr(store, "shared", None)
     if shared is not None and optimizer is not None:
         state_bpp, state_held = optimizer_state_bytes_per_param(
@@ -321,9 +329,18 @@ def admission(executor: StreamingExecutor, optimizer: torch.optim.Optimizer | No
     if staging is not None and staging.spill is not None:  # the file is reserved already: its bytes count as had
         disk_kw = dict(disk_have_bytes=shutil.disk_usage(staging.spill.root).free + staging.file_bytes)
     return admission_report(
-        num_params=trainable, frozen_params=frozen, precision=precision,
+        num_params=trainable, frozen_params=frozen, frozen_4bit_bytes=frozen_4bit, precision=precision,
         host_have_bytes=psutil.virtual_memory().available + held, optimizer_state_bytes_per_param=state_bpp,
         grad_accumulation=executor.updates is None, ranks_per_host=ranks_per_host, world_size=world_size,
         gradient_home="host" if on_host else home, gradient_staging_bytes=staging_bytes,
         pinned_slot_bytes=staging_bytes if on_host else 0,
         host_other_bytes=device_on_host, **disk_kw, **gpu_kw)
+
+
+def _packed_bytes(unit: ParamUnit) -> int:
+    """Bytes of ``unit``'s flat buffer its 4-bit weights take: everything past its other parameters (the regions
+    and their alignment), so the pieces add up to what the store holds."""
+    if all(e.packed is None for e in unit.unique):
+        return 0
+    plain = sum(e.numel for e in unit.unique if e.packed is None)
+    return (unit.numel - plain) * unit.stream.element_size()

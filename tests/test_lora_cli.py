@@ -36,7 +36,21 @@ def test_lora_rank_from_the_command_line_trains_only_the_adapters(tmp_path):
     assert (saved["r"] if isinstance(saved, dict) else saved.r) == 4
 
 
-def test_qlora_is_refused_before_loading_naming_the_setting(tmp_path):
-    proc = lazytrain(["fit", "--config", str(DEMO_RECIPE), *FEW_STEPS, "--model.lora.quantize", "nf4"], tmp_path)
+def test_qlora_from_the_command_line_trains_adapters_over_a_4bit_base(tmp_path):
+    proc = lazytrain(["fit", "--config", str(DEMO_RECIPE), *FEW_STEPS, "--model.lora.r", "4",
+                      "--model.lora.quantize", "nf4", "--trainer.enable_checkpointing", "true",
+                      "--trainer.logger.init_args.save_dir", str(tmp_path)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (ckpt,) = tmp_path.rglob("*.ckpt")
+    state = torch.load(ckpt, weights_only=False)
+    keys = set(state["state_dict"])
+    assert keys and all(".lora_A." in k or ".lora_B." in k for k in keys), sorted(keys)[:4]
+    assert not any("absmax" in k or "quant_state" in k for k in keys), "nothing of the 4-bit base is saved"
+    saved = state["hyper_parameters"]["lora"]
+    assert (saved["quantize"] if isinstance(saved, dict) else saved.quantize) == "nf4"
+
+
+def test_an_unknown_quantize_is_refused_before_loading(tmp_path):
+    proc = lazytrain(["fit", "--config", str(DEMO_RECIPE), *FEW_STEPS, "--model.lora.quantize", "int3"], tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "lora.quantize: none" in proc.stderr + proc.stdout
+    assert "nf4" in proc.stderr + proc.stdout

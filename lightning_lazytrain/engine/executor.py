@@ -178,7 +178,7 @@ class StreamingExecutor:
             # A validation loop may be first to run, under inference mode; these leaves must outlive it.
             with torch.inference_mode(False):
                 self._resident_buf.copy_(unit.stream, non_blocking=True)
-                views = [self._resident_buf[e.offset : e.offset + e.numel].view(e.shape) for e in unit.unique]
+                views = [e.view_in(self._resident_buf) for e in unit.unique]
                 self._resident_leaves = leaves_of(views, unit)
             self._resident_generation = generation
         return self._resident_leaves

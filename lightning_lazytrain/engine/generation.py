@@ -26,6 +26,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_lazytrain.engine.device import device_free_bytes
 from lightning_lazytrain.engine.weights.binding import bound
+from lightning_lazytrain.engine.weights.layout import aligned_numel
 from lightning_lazytrain.schedule.generation import (
     GenerationMode,
     GenerationPlan,
@@ -48,7 +49,7 @@ class ResidentLayers:
         self.units, self.versions = units, versions
         self.offsets = [0]
         for unit in units:
-            self.offsets.append(self.offsets[-1] + unit.numel)
+            self.offsets.append(self.offsets[-1] + aligned_numel(unit.numel, dtype.itemsize))
         with torch.inference_mode(False):  # an evaluation under inference mode creates it; later ones refresh it
             self.buffer = torch.empty(self.offsets[-1], dtype=dtype, device=device)
         self.generations = [-1] * len(units)
@@ -69,7 +70,7 @@ class ResidentLayers:
 
     def views(self, k: int) -> list[torch.Tensor]:
         start = self.offsets[k]
-        return [self.buffer[start + e.offset : start + e.offset + e.numel].view(e.shape) for e in self.units[k].unique]
+        return [e.view_in(self.buffer[start:]) for e in self.units[k].unique]
 
 
 class EvalGeneration:

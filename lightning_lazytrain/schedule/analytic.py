@@ -40,9 +40,11 @@ def _fused_speed(parts: FusedParts) -> float:
     return FUSED_LAYER_TIME * (FUSED_ROPE_TIME if parts.rope else 1.0)
 
 
-def model_flops_per_step(num_params: int, num_layers: int, hidden: int, batch: int, seq: int) -> float:
-    """The model FLOPs TFLOPS figures count: (6 N + 12 layers hidden seq) per token (REFERENCE.md)."""
-    return (6.0 * num_params + 12.0 * num_layers * hidden * seq) * batch * seq
+def model_flops_per_step(num_params: int, num_layers: int, hidden: int, batch: int, seq: int,
+                         frozen_params: int = 0) -> float:
+    """The model FLOPs TFLOPS figures count: (6 N + 12 layers hidden seq) per token (REFERENCE.md); the
+    ``frozen_params`` among the ``num_params`` count 4 (no weight gradient), as issue 38 counts LoRA."""
+    return (6.0 * num_params - 2.0 * frozen_params + 12.0 * num_layers * hidden * seq) * batch * seq
 
 
 def analytic_profile(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal
 
 import torch
@@ -28,6 +29,7 @@ from lightning_lazytrain.models.fused_kernels import liger_available
 
 from .analytic import gpu_layout, model_flops_per_step
 from .disk import checkpoint_tier
+from .frozen_base import BaseCounts, count_base
 from .gpus import GpuSpec
 from .milp import InfeasibleScheduleError, solve
 from .milp_memory import plan_gpu_pieces
@@ -74,6 +76,7 @@ class RunSpec:
     checkpoints_weights_only: bool = False  # those checkpoints hold the masters only (save_weights_only)
     fused_kernels: str = "auto"  # "auto": Liger's kernels when liger-kernel is installed here, as the run would
     gradient_home: str = "plan"  # where the gradients wait for the norm (`gradient_home.py`)
+    quantize: str = "none"  # "nf4" / "fp4": the frozen linear weights of the decoder layers are 4-bit (QLoRA)
 
     @property
     def stream_dtype(self) -> torch.dtype:
@@ -85,9 +88,20 @@ class RunSpec:
         """Whether the run on a CUDA device binds Liger's kernels (``LazyTrainStrategy(fused_kernels=...)``)."""
         return self.fused_kernels == "liger" or (self.fused_kernels == "auto" and liger_available())
 
+    @cached_property
+    def counts(self) -> BaseCounts:
+        """Trainable, frozen and 4-bit parameters and bytes (``frozen_base.py``); the model's ``requires_grad``
+        flags say what trains (a LoRA model: the adapters)."""
+        return count_base(self.adapter.model, list(self.adapter.layers), self.stream_dtype, self.quantize)
+
     @property
     def trainable_params(self) -> int:
-        return sum(p.numel() for p in {id(p): p for p in self.adapter.model.parameters()}.values())
+        return self.counts.trainable_params
+
+    @property
+    def slot_bytes(self) -> int:
+        """One weight slot: the largest decoder layer as it streams (4-bit weights as their packed bytes)."""
+        return max(self.counts.layer_stream_bytes)
 
 
 @dataclass
@@ -138,6 +152,8 @@ def _host_report(run: RunSpec, machine: Machine, cpu_act: int = 0, disk: int = 0
     home = gradient_home(run, machine) if home is None else home
     return admission_report(
         num_params=run.trainable_params,
+        frozen_params=run.counts.frozen_params,
+        frozen_4bit_bytes=run.counts.frozen_4bit_bytes,
         host_have_bytes=machine.host_available_bytes,
         gpu_have_bytes=machine.gpu.memory_bytes,
         disk_have_bytes=machine.disk_free_bytes,
@@ -221,7 +237,7 @@ def problem_for(run: RunSpec, machine: Machine, profile: Profile) -> SchedulePro
         cpu,
         nvme,
         total_bytes=gpu_total_bytes(run, machine),
-        slot_bytes=gpu_layout(run.adapter, run.stream_dtype).slot_bytes,
+        slot_bytes=run.slot_bytes,
         prefetch_depth=run.prefetch_depth,
         loss_chunk_bytes=LOSS_CHUNK_BYTES,
         head_grad_bytes=head_grad_sum_bytes(run.adapter.lm_head),
@@ -294,7 +310,9 @@ def forecast(run: RunSpec, machine: Machine, batch: int, profile_for: Callable[[
     share = run.ranks_per_host / run.world_size  # the host's CPU updates this share of the parameters
     prediction = predict_step(profile, schedule, run.trainable_params * share / machine.update_params_per_s)
     config = run.adapter.model.config
-    flops = model_flops_per_step(run.trainable_params, run.adapter.num_layers, config.hidden_size, batch, run.seq)
+    counts = run.counts
+    flops = model_flops_per_step(counts.model_params, run.adapter.num_layers, config.hidden_size, batch, run.seq,
+                                 frozen_params=counts.model_params - counts.trainable_params)
     return Forecast(batch, report, schedule, prediction, flops / prediction.step_s / 1e12, scaling,
                     gradient_home=gradient_home(run, machine), checkpoint_modes=modes,
                     checkpoints_kept=run.checkpoints_kept)

@@ -3,7 +3,10 @@
 ``CausalLMModule(lora=LoraOptions(r=16))`` (in a recipe ``model.lora.r: 16``, on the command line
 ``--model.lora.r 16``) wraps the built model with ``peft.get_peft_model``; everything but the adapters is then
 frozen, and lazytrain holds that base once, as its streamed copy, and saves only the adapters in checkpoints.
-peft is the ``lora`` extra (``pip install lightning-lazytrain[lora]``).
+``quantize: nf4`` (or ``fp4``) is QLoRA: the module builds the model layer by layer with its decoder layers' linear
+layers quantized by bitsandbytes to 4 bits (``model_loading.build_quantized_model``) before the adapters are
+added, and lazytrain holds and streams them in that packed form.
+peft and bitsandbytes are the ``lora`` extra (``pip install lightning-lazytrain[lora]``).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from typing import Literal
 
 from torch import nn
 
+from lightning_lazytrain.models.quantize import QUANT_TYPES
+
 #: the linear layers of a Qwen/Llama decoder layer (attention and MLP projections)
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -20,8 +25,9 @@ ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 @dataclass
 class LoraOptions:
     """LoRA settings (peft's ``LoraConfig`` names): rank ``r``, scale ``alpha / r``, dropout on the adapter input,
-    the module names adapted. ``quantize``: the base's storage; ``nf4``/``fp4`` (QLoRA) are refused at setup for
-    now: the host store does not keep bitsandbytes' packed 4-bit layout yet."""
+    the module names adapted. ``quantize``: the decoder layers' base weights, ``none`` as the model is built
+    (``model.dtype``), ``nf4``/``fp4`` (QLoRA) as bitsandbytes' 4-bit codes, dequantized to ``model.dtype`` to
+    compute."""
 
     r: int = 16
     alpha: int = 32
@@ -38,19 +44,23 @@ def check_lora(options: LoraOptions) -> None:
         raise ValueError(f"lora.dropout must be in [0, 1), got {options.dropout}")
     if not options.target_modules:
         raise ValueError(f"lora.target_modules is empty: name the linear layers to adapt, e.g. {ALL_LINEAR}")
-    if options.quantize != "none":
-        raise ValueError(
-            f"lora.quantize: {options.quantize} (QLoRA) is not supported yet: lazytrain's host store does not keep"
-            " bitsandbytes' packed 4-bit layout, so the streamed layers would fail in its kernels. Use"
-            " lora.quantize: none (a bf16 base, 2 bytes per base parameter on the host)")
+    if options.quantize not in ("none", *QUANT_TYPES):
+        raise ValueError(f"lora.quantize must be none, nf4 or fp4, got {options.quantize!r}")
     try:
         import peft  # noqa: F401
     except ImportError as exc:
         raise ImportError("model.lora needs peft: pip install 'lightning-lazytrain[lora]'") from exc
+    if options.quantize != "none":
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError as exc:
+            raise ImportError(f"lora.quantize: {options.quantize} needs bitsandbytes: pip install"
+                              " 'lightning-lazytrain[lora]', or use lora.quantize: none") from exc
 
 
 def add_adapters(model: nn.Module, options: LoraOptions) -> nn.Module:
-    """``model`` wrapped by peft with LoRA on ``options.target_modules``; its other parameters frozen."""
+    """``model`` wrapped by peft with LoRA on ``options.target_modules``; its other parameters frozen (a 4-bit
+    base is built so beforehand: ``model_loading.build_quantized_model``)."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(r=options.r, lora_alpha=options.alpha, lora_dropout=options.dropout,

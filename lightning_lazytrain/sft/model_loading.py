@@ -15,6 +15,8 @@ from typing import Any, Literal
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from lightning_lazytrain.models.layerwise import build_quantized
+from lightning_lazytrain.models.quantize import QuantType
 from lightning_lazytrain.node_load import load_pretrained
 from lightning_lazytrain.sft.data.errors import DataSettingError
 
@@ -55,6 +57,19 @@ NAMED_SHAPES: dict[str, dict[str, Any]] = {
         intermediate_size=13824,
         num_hidden_layers=48,
         num_attention_heads=40,
+        num_key_value_heads=8,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+        rope_theta=1e6,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-5,
+    ),
+    "qwen2.5-72b": dict(
+        model_type="qwen2",
+        hidden_size=8192,
+        intermediate_size=29568,
+        num_hidden_layers=80,
+        num_attention_heads=64,
         num_key_value_heads=8,
         vocab_size=152064,
         tie_word_embeddings=False,
@@ -153,6 +168,62 @@ def check_source(pretrained: str | None, model_config: dict[str, Any] | str | No
         raise ValueError("give exactly one of `pretrained` (weights) or `model_config` (random init)")
 
 
+def _random_init_config(model_config: dict[str, Any] | str, trust_remote_code: bool, revision: str | None,
+                        cache_dir: str | None, local_files_only: bool) -> PretrainedConfig:
+    if isinstance(model_config, str) and model_config.lower() in NAMED_SHAPES:
+        model_config = dict(NAMED_SHAPES[model_config.lower()])
+    if isinstance(model_config, dict):
+        fields = dict(model_config)
+        if "model_type" not in fields:
+            raise ValueError(f"model_config needs a 'model_type' (e.g. 'qwen2'); got keys {sorted(fields)}")
+        return AutoConfig.for_model(fields.pop("model_type"), **fields)
+    path, hub = _source(model_config, revision, cache_dir, local_files_only)
+    return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **hub)
+
+
+def build_quantized_model(
+    quantize: QuantType,
+    pretrained: str | None = None,
+    model_config: dict[str, Any] | str | None = None,
+    dtype: str | None = None,
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = "sdpa",
+    revision: str | None = None,
+    cache_dir: str | None = None,
+    local_files_only: bool = False,
+) -> PreTrainedModel:
+    """:func:`build_model`'s model with its decoder layers' linear layers 4-bit (QLoRA), built layer by layer from
+    the safetensors shards (a local directory, or the hub snapshot of ``pretrained``) or random init
+    (``models/layerwise.py``): the whole full-precision base is never held. Computes in ``dtype`` (``auto``/None:
+    the checkpoint's, else float32)."""
+    check_source(pretrained, model_config)
+    if pretrained is not None:
+        path, hub = _source(pretrained, revision, cache_dir, local_files_only)
+        try:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **hub)
+            weights = path if os.path.isdir(path) else _snapshot(path, hub)
+        except OSError as exc:
+            raise OSError(f"model.pretrained {pretrained!r}{_where(hub)} cannot be loaded: {exc}") from exc
+    else:
+        config = _random_init_config(model_config, trust_remote_code, revision, cache_dir, local_files_only)
+        weights = None
+    target = _torch_dtype(dtype)
+    if not isinstance(target, torch.dtype):
+        saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        target = _torch_dtype(saved) if isinstance(saved, str) else saved
+    if not isinstance(target, torch.dtype):
+        target = torch.float32
+    return build_quantized(config, quantize, target, weights, trust_remote_code, attn_implementation)
+
+
+def _snapshot(name: str, hub: dict[str, Any]) -> str:
+    """The local directory of the hub model ``name``'s config and safetensors shards (downloaded if missing)."""
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(name, allow_patterns=["*.json", "*.safetensors"], revision=hub.get("revision"),
+                             cache_dir=hub.get("cache_dir"), local_files_only=hub.get("local_files_only", False))
+
+
 def build_model(
     pretrained: str | None = None,
     model_config: dict[str, Any] | str | None = None,
@@ -182,16 +253,7 @@ def build_model(
         # from_pretrained returns the model in eval mode and Lightning keeps the mode it finds at fit start: left
         # so, dropout would be off in training (and the meta-built copies of other ranks, made by from_config, on)
         return model.train()
-    if isinstance(model_config, str) and model_config.lower() in NAMED_SHAPES:
-        model_config = dict(NAMED_SHAPES[model_config.lower()])
-    if isinstance(model_config, dict):
-        fields = dict(model_config)
-        if "model_type" not in fields:
-            raise ValueError(f"model_config needs a 'model_type' (e.g. 'qwen2'); got keys {sorted(fields)}")
-        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    else:
-        path, hub = _source(model_config, revision, cache_dir, local_files_only)
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **hub)
+    config = _random_init_config(model_config, trust_remote_code, revision, cache_dir, local_files_only)
     target = _torch_dtype(dtype)
     # build directly in the target dtype: a 14B model built in fp32 and then cast would need 1.5x its bytes at once
     kwargs = {"dtype": target} if isinstance(target, torch.dtype) else {}

@@ -28,6 +28,7 @@ from lightning_lazytrain.sft.model_loading import (
     NAMED_SHAPES,
     DTypeName,
     build_model,
+    build_quantized_model,
     check_sequence_length,
     check_source,
 )
@@ -144,8 +145,12 @@ class CausalLMModule(pl.LightningModule):
         hp = self.hparams
         if "model" not in self._modules:
             # nn.Module.__setattr__ files a module under _modules, where the property above reads it
-            model = build_model(hp.pretrained, hp.model_config, hp.dtype, hp.trust_remote_code,
-                                hp.attn_implementation, hp.revision, hp.cache_dir, hp.local_files_only)
+            source = (hp.pretrained, hp.model_config, hp.dtype, hp.trust_remote_code, hp.attn_implementation,
+                      hp.revision, hp.cache_dir, hp.local_files_only)
+            if self._lora is not None and self._lora.quantize != "none":  # QLoRA: layer by layer, never whole
+                model = build_quantized_model(self._lora.quantize, *source)
+            else:
+                model = build_model(*source)
             self.model = add_adapters(model, self._lora) if self._lora is not None else model
         if self._trainer is not None:  # the tokenizer is the datamodule's only once a Trainer runs the module
             seq = getattr(getattr(self._trainer.datamodule, "hparams", None), "max_seq_length", None)

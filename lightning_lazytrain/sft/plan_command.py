@@ -32,6 +32,7 @@ from lightning_lazytrain.schedule.gpus import GPUS
 from lightning_lazytrain.sft.cli import ConfigError, LazyTrainCLI
 from lightning_lazytrain.sft.data.errors import DataSettingError
 from lightning_lazytrain.sft.data.sft import SFTDataModule
+from lightning_lazytrain.sft.lora import LoraOptions, add_adapters
 from lightning_lazytrain.sft.model_loading import check_sequence_length
 from lightning_lazytrain.sft.module import CausalLMModule
 from lightning_lazytrain.sft.plan_machine import cpu_machine, gpu_machine, plans_the_cpu
@@ -179,7 +180,11 @@ def _plan(cli: PlanCLI) -> dict:
         config, source = model_config(
             model_cfg.get("pretrained"), model_cfg.get("model_config"), bool(model_cfg.get("trust_remote_code"))
         )
-        adapter = adapter_for(meta_model(config, bool(model_cfg.get("trust_remote_code"))))
+        model = meta_model(config, bool(model_cfg.get("trust_remote_code")))
+        lora = LoraOptions(**model_cfg["lora"]) if model_cfg.get("lora") else None
+        if lora is not None:  # peft adapts the model in place; the 4-bit base is counted, never quantized, here
+            add_adapters(model, replace(lora, quantize="none"))
+        adapter = adapter_for(model)
     except (ValueError, OSError, UnsupportedModelError) as exc:
         raise ConfigError(f"the model cannot be planned: {exc}") from exc
     seq = int(data.get("max_seq_length") or 1024)
@@ -199,6 +204,7 @@ def _plan(cli: PlanCLI) -> dict:
         "ranks_per_host",
         "checkpoints_kept",
         "checkpoints_weights_only",
+        "quantize",
     }
     run = RunSpec(
         adapter,
@@ -210,6 +216,7 @@ def _plan(cli: PlanCLI) -> dict:
         min(world, _devices(trainer)),
         checkpoints_kept=_checkpoints_kept(trainer),
         checkpoints_weights_only=_weights_only(trainer),
+        quantize=lora.quantize if lora is not None else "none",
         **{k: v for k, v in strategy.items() if k in known},
     )
     host = cfg.get("host_ram_gib")
@@ -244,6 +251,8 @@ def _plan(cli: PlanCLI) -> dict:
             "config": source,
             "layers": adapter.num_layers,
             "params": run.trainable_params,
+            "frozen_params": run.counts.frozen_params + run.counts.frozen_4bit_params,
+            "quantize": run.quantize,
         },
         "gpu": {
             "name": spec.name,

@@ -52,12 +52,20 @@ def _mode_lines(modes: list[dict]) -> list[str]:
             f" {'fits' if m['fits'] else 'does not fit'}; {m['how']}" for m in modes]
 
 
+def _frozen_words(m: dict) -> str:
+    """A LoRA plan's frozen base beside the trainable count, with its storage."""
+    if not m.get("frozen_params"):
+        return ""
+    kind = "bf16" if m.get("quantize", "none") == "none" else m["quantize"]
+    return f"trained over a frozen {m['frozen_params'] / 1e9:.2f} B {kind} base "
+
+
 def render(answer: dict) -> str:
     m, g, r, asked = answer["model"], answer["gpu"], answer["run"], answer["asked"]
     device = "CPU" if g["name"] == "cpu" else "GPU"  # plan_machine.cpu_machine: a run on the CPU
     out = [
         f"lazytrain plan: {m['architecture']}, {m['layers']} layers, {m['params'] / 1e9:.2f} B parameters "
-        f"(config: {m['config']})",
+        f"{_frozen_words(m)}(config: {m['config']})",
         f"{device}: {g['description']}, {g['memory_bytes'] / GIB:.1f} GiB ({g['source']})",
         f"times: {asked['scaling']}",
         f"host: {answer['host']['available_bytes'] / GIB:.1f} GiB RAM available ({answer['host']['source']}); "

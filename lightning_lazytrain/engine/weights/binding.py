@@ -28,5 +28,7 @@ def bound(unit: ParamUnit, tensors: Sequence[torch.Tensor]) -> Iterator[None]:
 
 
 def leaves_of(views: Sequence[torch.Tensor], unit: ParamUnit) -> list[torch.Tensor]:
-    """Autograd leaves over ``views`` for the parameters that train, plain views for frozen ones."""
-    return [v.detach().requires_grad_(e.param.requires_grad) for v, e in zip(views, unit.unique)]
+    """Autograd leaves over ``views`` for the parameters that train, plain views for frozen ones; a 4-bit view
+    stays as it is (a detached copy would lose its quant state)."""
+    return [v if e.packed is not None else v.detach().requires_grad_(e.param.requires_grad)
+            for v, e in zip(views, unit.unique)]

@@ -66,7 +66,12 @@ class SharedParamStore(HostParamStore):
 
     def _build_units(self, groups: list[tuple[str, list[nn.Module]]]) -> list[ParamUnit]:
         topology = self.topology
-        flat = [collect_entries(mods) for _, mods in groups]
+        flat = [collect_entries(mods, self.stream_dtype.itemsize) for _, mods in groups]
+        packed = next((e for _, unique, _ in flat for e in unique if e.packed is not None), None)
+        if packed is not None:
+            raise ValueError(f"{type(packed.module).__name__}.{packed.name} is a bitsandbytes 4-bit weight: a 4-bit"
+                             " (QLoRA) base streams in one process only so far; run on one GPU (devices=1), or"
+                             " use a bf16 base (lora.quantize: none) across several")
         # ranks of this machine that built the model on the meta device (node_load.py) take local rank 0's weights
         self.node_empty = _check_same_weights([label for label, _ in groups], [u for _, u, _ in flat], topology)
         self.layouts: list[ShardLayout] = []

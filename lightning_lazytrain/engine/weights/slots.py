@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_lazytrain.engine.device import DeviceQueues
-from lightning_lazytrain.engine.weights.layout import ParamUnit
+from lightning_lazytrain.engine.weights.layout import ParamUnit, aligned_numel
 from lightning_lazytrain.engine.weights.versions import WeightVersions
 
 
@@ -38,7 +38,7 @@ class Slot:
 
     def views(self, unit: ParamUnit) -> list[torch.Tensor]:
         """One tensor per distinct parameter of ``unit`` (``unit.unique`` order), viewing this slot's buffer."""
-        return [self.buffer[e.offset : e.offset + e.numel].view(e.shape) for e in unit.unique]
+        return [e.view_in(self.buffer) for e in unit.unique]
 
 
 class SlotPool:
@@ -49,9 +49,11 @@ class SlotPool:
         # which made many small slots take far more memory than the admission check counted.
         # Each slot is its own tensor over that storage (set_, not a view): views would share one version counter,
         # and a copy into one slot would then invalidate the autograd graph that saved another slot's weights.
-        storage = torch.empty(num_slots * slot_numel, dtype=dtype, device=queues.device).untyped_storage()
+        # Slots start on 16-byte boundaries, where the 4-bit parts of a unit's layout expect them.
+        stride = aligned_numel(slot_numel, dtype.itemsize)
+        storage = torch.empty(num_slots * stride, dtype=dtype, device=queues.device).untyped_storage()
         self.slots = [
-            Slot(i, torch.empty(0, dtype=dtype, device=queues.device).set_(storage, i * slot_numel, (slot_numel,)))
+            Slot(i, torch.empty(0, dtype=dtype, device=queues.device).set_(storage, i * stride, (slot_numel,)))
             for i in range(num_slots)
         ]
         self.slot_numel = slot_numel

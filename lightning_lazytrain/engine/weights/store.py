@@ -6,8 +6,9 @@ it, so the optimizer, ``state_dict`` and ``load_state_dict`` all see ordinary CP
 one contiguous block. The streamed copy (bf16 under bf16-mixed) is a second flat buffer, pinned once here; where
 the master already has the compute dtype the master itself is pinned and streamed. The masters cover only the
 unit's trainable prefix (``layout.py``): a frozen parameter (a LoRA base) is held once, as its streamed copy, and
-the module's parameter views that copy (bf16 under bf16-mixed). Which version of each unit the
-buffers hold, and whether an update is still writing them, is ``versions.WeightVersions``'s (``store.versions``).
+the module's parameter views that copy (bf16 under bf16-mixed); a bitsandbytes 4-bit weight is held there as its
+packed codes and quant state (``packed4bit.py``). Which version of each unit the buffers hold, and whether an
+update is still writing them, is ``versions.WeightVersions``'s (``store.versions``).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class HostParamStore:
         return [self._build_unit(i, label, mods) for i, (label, mods) in enumerate(groups)]
 
     def _build_unit(self, index: int, label: str, modules: list[nn.Module]) -> ParamUnit:
-        entries, unique, total = collect_entries(modules)
+        entries, unique, total = collect_entries(modules, self.stream_dtype.itemsize)
         trained = trainable_numel(unique)
         if self.master_dtype == self.stream_dtype:
             stream = master = self.pinned.empty(total, self.master_dtype)
@@ -53,6 +54,9 @@ class HostParamStore:
             master, stream = torch.empty(trained, dtype=self.master_dtype), self.pinned.empty(total, self.stream_dtype)
         for entry in unique:
             home = master if entry.offset < trained else stream
+            if entry.packed is not None:
+                entry.packed.place(home[entry.offset : entry.offset + entry.numel], entry.param)
+                continue
             view = home[entry.offset : entry.offset + entry.numel].view(entry.shape)
             view.copy_(entry.param.data)
             entry.param.data = view
