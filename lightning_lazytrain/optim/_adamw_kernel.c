@@ -203,9 +203,9 @@ static void do_block(const lt_args *a, int64_t s, int64_t len, float *restrict s
 #include "_adamw_avx2.h"
 #include "_adamw_neon.h"
 
-#if LT_PATH == LT_AVX2 || LT_PATH == LT_NEON
+#if LT_PATH == LT_NEON
 #define LT_BLOCK8 1
-/* One 8-bit block of the AVX2 or NEON loop; sm, sv: scratch for its moments. */
+/* One 8-bit block of the NEON loop; sm, sv: scratch for its moments. */
 static void do_block8(const lt_args *a, int64_t s, int64_t len, float *sm, float *sv) {
     const int g16 = a->grad_bf16 != 0, p16 = a->p16 != NULL, cp = a->copy != NULL;
     switch (g16 | p16 << 1 | cp << 2) {
@@ -227,6 +227,8 @@ static void do_block8(const lt_args *a, int64_t s, int64_t len, float *sm, float
 int lt_fast_encoder(void) {
 #if LT_HAS_AVX512
     return g_enc[0].ok && g_enc[1].ok;
+#elif LT_PATH == LT_AVX2
+    return g_cell[0].ok && g_cell[1].ok;
 #elif LT_BLOCK8
     return g_bkt[0].ok && g_bkt[1].ok;
 #else
@@ -240,6 +242,8 @@ void lt_encode(int which, const float *x, uint8_t *out, int64_t n) {
 #if LT_HAS_AVX512
     if (g_enc[which].ok)
         for (; i + 64 <= n; i += 64) which ? enc64(1, x + i, 1.0f, out + i) : enc64(0, x + i, 1.0f, out + i);
+#elif LT_PATH == LT_AVX2
+    if (g_cell[which].ok) i = vec_encode(which, x, out, n);
 #elif LT_BLOCK8
     if (g_bkt[which].ok) i = vec_encode(which, x, out, n);
 #endif
@@ -266,6 +270,8 @@ int lt_adamw_step(const lt_args *a) {
     int failed = 0;
 #if LT_PATH == LT_AVX512VBMI
     const int fused = a->mq && g_enc[0].ok && g_enc[1].ok;
+#elif LT_PATH == LT_AVX2
+    const int fused = a->mq && g_cell[0].ok && g_cell[1].ok;
 #else
     const int fused = 0;
 #endif
@@ -281,7 +287,7 @@ int lt_adamw_step(const lt_args *a) {
             const int64_t b0 = item * LT_ITEM_BLOCKS;
             const int64_t b1 = b0 + LT_ITEM_BLOCKS < nblk ? b0 + LT_ITEM_BLOCKS : nblk;
             if (!scratch) continue;
-#if LT_PATH == LT_AVX512VBMI
+#if LT_PATH == LT_AVX512VBMI || LT_PATH == LT_AVX2
             if (fused) {
                 do_blocks8(a, b0, b1, scratch);
                 continue;
