@@ -150,6 +150,7 @@ static inline __attribute__((always_inline)) void v8_blocks(const lt_args *a, in
                 const int64_t ahead = s + bs + k; /* the next block's masters and gradients, into the cache */
                 _mm_prefetch(p16 ? (const char *)(a->p16 + ahead) : (const char *)(a->p32 + ahead), _MM_HINT_T0);
                 _mm_prefetch((const char *)a->grad + ahead * (g16 ? 2 : 4), _MM_HINT_T0);
+#pragma GCC unroll 4
                 for (int j = 0; j < 4; j++) {
                     __m256 m = v8_decode(0, a->mq + s + k + 8 * j, am), v = v8_decode(1, a->vq + s + k + 8 * j, av);
                     v8_update(a, s + k + 8 * j, &m, &v, g16, p16, cp);
@@ -169,29 +170,14 @@ static inline __attribute__((always_inline)) void v8_blocks(const lt_args *a, in
             a->vq[qs + i] = encode(1, ov[i] * qiv);
         }
         if (!len) break;
-        float lm[8], lv[8], nm = 0.0f, nv = 0.0f;
+        float lm[8], lv[8], inv[2];
         _mm256_storeu_ps(lm, xam);
         _mm256_storeu_ps(lv, xav);
-        for (int k = 0; k < 8; k++) {
-            nm = lm[k] > nm ? lm[k] : nm;
-            nv = lv[k] > nv ? lv[k] : nv;
-        }
-        for (int64_t i = nfull; i < len; i++) {
-            sm[i] = g_code[0][a->mq[s + i]] * a->mabs[b];
-            sv[i] = g_code[1][a->vq[s + i]] * a->vabs[b];
-        }
-        update_range(a, s + nfull, len - nfull, sm + nfull, sv + nfull);
-        for (int64_t i = nfull; i < len; i++) {
-            const float x = fabsf(sm[i]);
-            nm = x > nm ? x : nm;
-            nv = sv[i] > nv ? sv[i] : nv;
-        }
-        a->mabs[b] = nm;
-        a->vabs[b] = nv;
+        tail8(a, s, nfull, len, sm, sv, lm, lv, 8, inv);
         qs = s;
         qlen = len;
-        qim = nm > 0.0f ? 1.0f / nm : 0.0f;
-        qiv = nv > 0.0f ? 1.0f / nv : 0.0f;
+        qim = inv[0];
+        qiv = inv[1];
     }
 }
 
@@ -209,6 +195,8 @@ static void do_blocks8(const lt_args *a, int64_t b0, int64_t b1, float *scratch)
     default: v8_blocks(a, b0, b1, scratch, 1, 1, 1); break;
     }
 }
+
+static int encoder_ok(int w) { return g_cell[w].ok; }
 
 /* The cell encoder of the tests' lt_encode: codes of x[0..n), 32 at a time; returns how many it wrote. Values
  * are first clamped to [-1.5, 1.5], NaN kept (no threshold but +inf lies outside, cell_build checks): the same
