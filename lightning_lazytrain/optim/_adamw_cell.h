@@ -1,12 +1,12 @@
-/* The cell encoder's tables (included by _adamw_codec.h; the AVX2 path vectorizes it, _adamw_avx2.h). */
-/* Cell encoder (AVX2 path): the exact count of the AVX-512 encoder from register-held tables of 8 and 16 entries.
- * A float's magnitude bits, top byte LT_CELL0 + k (k in 0..15; smaller ones: no boundary below), fall in cell k,
- * 2 binades wide; cell_build checks each cell holds at most one of the boundaries between the runs of evenly spaced
- * thresholds, so the segment of |x| is the boundaries below its cell plus one compare with the next boundary.
- * In segment s, G = round(|x| * A - B) counts the run's thresholds below |x| as G >> LT_FB, capped at the
- * segment's top: every run threshold P[r] gives a G within (2^LT_FB * (r + 1), 2^LT_FB * (r + 1) + 4) (checked),
- * so the count is exact unless G's low bits 2..LT_FB-1 are all zero; those values, and NaN (G = INT_MIN), take
- * the binary search. |x| < 2 is assumed (lt_encode clamps). */
+/* Cell encoder (AVX2 path, _adamw_avx2.h; included by _adamw_codec.h): the exact count of the AVX-512 encoder
+ * from register-held tables of 8 and 16 entries. A float's magnitude bits with top byte LT_CELL0 + k (k in 0..15;
+ * smaller ones: no boundary below) fall in cell k, 2 binades wide; cell_build checks each cell holds at most one of
+ * the boundaries between the runs of evenly spaced thresholds, so the segment of |x| is the boundaries below its
+ * cell plus one compare with the next boundary. In segment s, G = g rounded to nearest, g = |x| * A - B, counts
+ * the run's thresholds below |x| as G >> LT_FB, capped at the segment's top: every run threshold P[r] has g in
+ * (2^LT_FB * (r + 1) + 1/2, 2^LT_FB * (r + 1) + 3) (checked), so the count is exact unless G's bits 2..LT_FB-1
+ * are all zero; those values, and NaN (G = INT_MIN), take the binary search. |x| < 2 is assumed (lt_encode
+ * clamps). */
 #define LT_CELL0 48
 typedef struct {
     uint8_t seglo[32]; /* boundaries below cell k, at k and 16 + k (a byte shuffle's two lanes) */

@@ -1,6 +1,6 @@
 /* 8-bit codec of the fused AdamW kernel (included by _adamw_kernel.c): the bitsandbytes dynamic map's exact
- * nearest-code encoder and its decoder, vectorized for AVX-512 with the plain search as the fallback, and the
- * bucket encoder the AVX2 and NEON paths vectorize. */
+ * nearest-code encoder and its decoder, vectorized for AVX-512 with the plain search as the fallback, the bucket
+ * encoder of the NEON path and the cell encoder of the AVX2 path (_adamw_cell.h). */
 static float g_code[2][256], g_thr[2][256];
 
 /* Nearest code = number of decision thresholds strictly below x (ties go to the lower code). The specification
@@ -101,12 +101,11 @@ static void enc_build(lt_enc *E, const float *thr) {
     }
 }
 
-/* Bucket encoder (AVX2 and NEON paths): the bits of a positive float, from octave LT_OCT0 on, cut into buckets of
+/* Bucket encoder (NEON path): the bits of a positive float, from octave LT_OCT0 on, cut into buckets of
  * 2^16 floats (2^LT_BK per octave); bkt_build checks that no bucket holds more than one threshold, so the count
  * below a value is the count below its bucket plus one compare with that threshold, whose high bits are the
  * bucket's: one 32-bit table entry holds the count (high half) and the threshold's low 16 bits (0xffff where the
- * bucket has none, which no value's low bits exceed). Exact by construction, one table load and no search: one
- * gather on AVX2, a scalar load on NEON. The first and last buckets, which take every value below and above the
+ * bucket has none, which no value's low bits exceed). Exact by construction, one table load and no search. The first and last buckets, which take every value below and above the
  * octaves, must hold no threshold. */
 #define LT_BK 7
 #define LT_NBKT (32 << LT_BK)

@@ -3,8 +3,9 @@
  * Per block of elements: read the gradient (fp32 or bf16, times the clip coefficient), read the moments (fp32,
  * or 8-bit codes + block absmax), update them, update the parameter (fp32, or bf16 with stochastic rounding),
  * write the optional bf16 streaming copy, re-quantize the moments. Blocks are spread over OpenMP threads. The
- * fp32-state loops are plain arrays the compiler vectorizes (-O3 -march=native); 8-bit blocks run one AVX-512
- * loop (_adamw_fused8.h) around the codec of _adamw_codec.h where the CPU has VBMI, else per-block passes.
+ * fp32-state loops are plain arrays the compiler vectorizes (kernel.py's flags per path); 8-bit blocks run one
+ * AVX-512 loop (_adamw_fused8.h) around the codec of _adamw_codec.h where the CPU has VBMI, one AVX2 loop
+ * (_adamw_avx2.h) or a NEON block loop (_adamw_neon.h), else per-block passes.
  * The arithmetic follows torch.optim.AdamW's single-tensor path operation by operation (fp contraction is off
  * at build time; explicit fmaf only where torch's vectorized lerp and addcmul use one), so fp32 mode matches
  * torch to rounding. Plain C with a ctypes entry point: no torch headers, so building takes about a second.
