@@ -93,7 +93,8 @@ def _encoder_cases(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     near = torch.cat(near)
     # zero, absmax (and one ulp above), denormals, the smallest normal, tiny, large and non-finite values
     special = torch.tensor([0.0, 1.0, 1.0 + 2**-23, 1e-45, 1e-40, 2**-126, 1e-30, 3.0, 1e30, float("inf")])
-    special = torch.cat([special, -special, torch.tensor([float("nan")])])
+    nans = torch.tensor([0x7FFFFFFF, -1, 0x7F800001, -0x7FFFFF], dtype=torch.int32).view(torch.float32)  # payloads
+    special = torch.cat([special, -special, torch.tensor([float("nan")]), nans])
     uniform = torch.rand(300_000, generator=g) * 2 - 1
     decades = uniform * 10.0 ** (-8 * torch.rand(300_000, generator=g))  # every decade of the map and below
     bits = torch.arange(-(2**31), 2**31, 4099, dtype=torch.int64).to(torch.int32).view(torch.float32)  # all floats

@@ -1,8 +1,8 @@
 /* The 8-bit blocks of the AVX2+FMA path of _adamw_kernel.c (included there after the per-block passes it
- * matches bit for bit): per block, one loop decodes 8 codes of each moment (gathers from the code book), updates
- * them and the parameter (the operations of LT_UPDATE_LOOP in its order) and keeps the new moments in scratch
- * with their absmax; a second loop re-encodes them with the bucket encoder (_adamw_codec.h), 32 at a time. A
- * block's last len % 32 elements take the scalar code. */
+ * matches bit for bit): one loop decodes and updates block b and re-encodes block b - 1 with the cell encoder
+ * (_adamw_cell.h), whose table lookups are register permutes: no gathers (8 scalar loads and inserts cost half a
+ * gather of 8 on Zen 4; the bucket encoder's gathers cost 0.9 ns per parameter there). A block's last len % 32
+ * elements take the scalar code (tail8). */
 
 #if LT_PATH == LT_AVX2
 #define LT_I8(x) _mm256_set1_epi32((int)(x))
@@ -42,41 +42,51 @@ static inline void v8_store_u16(uint16_t *p, __m256i x) { /* x: 8 values below 2
     _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(packed));
 }
 
-/* Scalar loads and inserts: a gather of 8 floats costs about twice as much on Zen 4 (measured). */
-static inline __m256 v8_decode(int w, const uint8_t *q, float am) {
-    const float *t = g_code[w];
-    uint64_t c;
-    memcpy(&c, q, 8);
-    const __m128 lo = _mm_setr_ps(t[c & 255], t[(c >> 8) & 255], t[(c >> 16) & 255], t[(c >> 24) & 255]);
-    const __m128 hi = _mm_setr_ps(t[(c >> 32) & 255], t[(c >> 40) & 255], t[(c >> 48) & 255], t[c >> 56]);
-    return _mm256_mul_ps(_mm256_set_m128(hi, lo), _mm256_set1_ps(am));
+#define LT_LD8(p) _mm256_load_si256((const __m256i *)(p))
+/* Codes of 8 values as int32 (the caller packs with saturation) by the cell encoder (_adamw_codec.h); *low: 0 in
+ * the lanes it cannot decide. w is a constant after inlining. */
+static inline __attribute__((always_inline)) __m256i v8_encode(int w, __m256 x, __m256i *low) {
+    const lt_cell *K = &g_cell[w];
+    const __m256i u = _mm256_castps_si256(x);
+    /* signed map: |x|; unsigned map: a negative x (NaN included) as 0, its code 0 */
+    const __m256i mag = w == 0 ? _mm256_and_si256(u, LT_I8(0x7fffffff)) : _mm256_max_epi32(u, _mm256_setzero_si256());
+    /* a negative x counts the boundaries at or below |x|, those below the next float (a sure |x| is no run
+     * threshold, so the line's count is that too); a NaN's wraps, harmless: its G is INT_MIN */
+    const __m256i up = w == 0 ? _mm256_sub_epi32(mag, _mm256_srai_epi32(u, 31)) : mag;
+    /* a byte shuffle: the index's bit 7, set below cell 0 and in the upper bytes there, gives 0, no boundary */
+    const __m256i lo = _mm256_shuffle_epi8(LT_LD8(K->seglo), _mm256_sub_epi32(_mm256_srli_epi32(mag, 24), LT_I8(LT_CELL0)));
+    const __m256i seg = _mm256_sub_epi32(lo, _mm256_cmpgt_epi32(up, _mm256_permutevar8x32_epi32(LT_LD8(K->bnd), lo)));
+    const __m256 g = _mm256_fmsub_ps(_mm256_castsi256_ps(mag), _mm256_permutevar8x32_ps(_mm256_load_ps(K->A), seg),
+                                     _mm256_permutevar8x32_ps(_mm256_load_ps(K->B), seg));
+    const __m256i G = _mm256_cvtps_epi32(g);
+    *low = _mm256_and_si256(G, LT_I8((1 << LT_FB) - 4));
+    const __m256i c = _mm256_min_epi32(_mm256_srai_epi32(G, LT_FB), _mm256_permutevar8x32_epi32(LT_LD8(K->hi), seg));
+    return w == 0 ? _mm256_add_epi32(LT_I8(K->nneg), _mm256_sign_epi32(c, u)) : c; /* sign: -c where x < 0 */
 }
 
-/* Codes of 8 values as int32 (the caller packs with saturation): bkt_encode lane by lane; w is a constant. */
-static inline __m256i v8_encode(int w, __m256 x) {
-    const lt_bkt *K = &g_bkt[w];
-    const __m256i u = _mm256_castps_si256(x), mag = _mm256_and_si256(u, LT_I8(0x7fffffff));
-    const __m256i negm = _mm256_srai_epi32(u, 31); /* -1 where x < 0 */
-    const __m256i a = w == 0 ? _mm256_sub_epi32(mag, negm) : u;
-    __m256i j = _mm256_sub_epi32(_mm256_srai_epi32(a, 23 - LT_BK), LT_I8(LT_OCT0 << LT_BK));
-    j = _mm256_min_epi32(_mm256_max_epi32(j, _mm256_setzero_si256()), LT_I8(LT_NBKT - 1));
-    const __m256i e = _mm256_i32gather_epi32((const int *)K->entry, j, 4), low = LT_I8(0xffff);
-    /* low halves compared as non-negative int32 */
-    __m256i c = _mm256_sub_epi32(_mm256_srli_epi32(e, 16),
-                                 _mm256_cmpgt_epi32(_mm256_and_si256(a, low), _mm256_and_si256(e, low)));
-    if (w == 0) c = _mm256_add_epi32(LT_I8(K->nneg), _mm256_sub_epi32(_mm256_xor_si256(c, negm), negm));
-    return _mm256_andnot_si256(_mm256_cmpgt_epi32(mag, LT_I8(0x7f800000)), c);
+/* The lanes of out[0..31] the cell encoder left undecided, by the search. */
+static __attribute__((noinline)) void v8_undecided(int w, const float *x, float inv, uint8_t *out) {
+    for (int k = 0; k < 32; k += 8) {
+        __m256i low;
+        v8_encode(w, _mm256_mul_ps(_mm256_loadu_ps(x + k), _mm256_set1_ps(inv)), &low);
+        const __m256i zero = _mm256_cmpeq_epi32(low, _mm256_setzero_si256());
+        for (int lanes = _mm256_movemask_ps(_mm256_castsi256_ps(zero)); lanes; lanes &= lanes - 1)
+            out[k + __builtin_ctz(lanes)] = encode(w, x[k + __builtin_ctz(lanes)] * inv);
+    }
 }
 
 /* Codes of x[0..31] * inv into out[0..31]. */
-static inline void v8_encode32(int w, const float *x, float inv, uint8_t *out) {
+static inline __attribute__((always_inline)) void v8_encode32(int w, const float *x, float inv, uint8_t *out) {
     const __m256 s = _mm256_set1_ps(inv);
-    __m256i c[4];
-    for (int k = 0; k < 4; k++) c[k] = v8_encode(w, _mm256_mul_ps(_mm256_loadu_ps(x + 8 * k), s));
+    __m256i c[4], low[4];
+    for (int k = 0; k < 4; k++) c[k] = v8_encode(w, _mm256_mul_ps(_mm256_loadu_ps(x + 8 * k), s), &low[k]);
     /* the packs work within 128-bit lanes: dword 2 * k + lane holds values 8 * k + 4 * lane + 0..3 */
     const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3]));
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     _mm256_storeu_si256((__m256i *)out, _mm256_permutevar8x32_epi32(b, order));
+    const __m256i zero = _mm256_cmpeq_epi32(
+        _mm256_min_epu32(_mm256_min_epu32(low[0], low[1]), _mm256_min_epu32(low[2], low[3])), _mm256_setzero_si256());
+    if (__builtin_expect(!_mm256_testz_si256(zero, zero), 0)) v8_undecided(w, x, inv, out);
 }
 
 /* 8 elements at i of the update; g16, p16, cp are constants after inlining. */
@@ -107,63 +117,99 @@ static inline __attribute__((always_inline)) void v8_update(const lt_args *a, in
     *v = vi;
 }
 
-/* One 8-bit block at s; sm, sv: scratch for its moments. */
-static inline __attribute__((always_inline)) void block8_t(const lt_args *a, int64_t s, int64_t len, float *sm,
-                                                           float *sv, int g16, int p16, int cp) {
+/* Scalar loads and inserts: a gather of 8 floats costs about twice as much on Zen 4 (measured). */
+static inline __m256 v8_decode(int w, const uint8_t *q, __m256 am) {
+    const float *t = g_code[w];
+    uint64_t c;
+    memcpy(&c, q, 8);
+    const __m128 lo = _mm_setr_ps(t[c & 255], t[(c >> 8) & 255], t[(c >> 16) & 255], t[(c >> 24) & 255]);
+    const __m128 hi = _mm_setr_ps(t[(c >> 32) & 255], t[(c >> 40) & 255], t[(c >> 48) & 255], t[c >> 56]);
+    return _mm256_mul_ps(_mm256_set_m128(hi, lo), am);
+}
+
+/* Blocks [b0, b1) of an 8-bit tensor in one loop: per 32 elements, decode and update block b (the operations of
+ * LT_UPDATE_LOOP in its order), keep its new moments in scratch and their absmax in registers, and re-encode
+ * block b - 1, whose absmax is known by then: the update's divider work overlaps the encoder's. scratch holds two
+ * blocks' m and v; the last len % 32 elements of a block take the scalar code. */
+static inline __attribute__((always_inline)) void v8_blocks(const lt_args *a, int64_t b0, int64_t b1,
+                                                            float *scratch, int g16, int p16, int cp) {
     const lt_args local = *a; /* a copy the stores cannot alias: scalars and pointers stay in registers */
     a = &local;
-    const int64_t blk = s / a->block, nfull = len & ~(int64_t)31;
-    const float am = a->mabs[blk], av = a->vabs[blk];
-    __m256 xam = _mm256_setzero_ps(), xav = _mm256_setzero_ps();
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int64_t i = 0; i < nfull; i += 32) { /* 4 independent updates: their divider chains overlap */
-        __m256 m[4], v[4];
-        for (int k = 0; k < 4; k++) {
-            m[k] = v8_decode(0, a->mq + s + i + 8 * k, am);
-            v[k] = v8_decode(1, a->vq + s + i + 8 * k, av);
+    const int64_t bs = a->block;
+    int64_t qs = 0, qlen = 0; /* block b - 1, waiting to be re-encoded */
+    float qim = 0.0f, qiv = 0.0f;
+    for (int64_t b = b0; b <= b1; b++) { /* b1: only re-encodes b1 - 1 */
+        float *sm = scratch + (b & 1) * 2 * bs, *sv = sm + bs, *om = scratch + ((b + 1) & 1) * 2 * bs, *ov = om + bs;
+        const int64_t s = b * bs, len = b == b1 ? 0 : s + bs <= a->n ? bs : a->n - s;
+        const int64_t nfull = len & ~(int64_t)31, qfull = qlen & ~(int64_t)31, kend = nfull > qfull ? nfull : qfull;
+        const __m256 am = _mm256_set1_ps(len ? a->mabs[b] : 0.0f), av = _mm256_set1_ps(len ? a->vabs[b] : 0.0f);
+        __m256 xam = _mm256_setzero_ps(), xav = _mm256_setzero_ps();
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        for (int64_t k = 0; k < kend; k += 32) {
+            if (k < nfull) { /* 4 independent updates: their divider chains overlap */
+                const int64_t ahead = s + bs + k; /* the next block's masters and gradients, into the cache */
+                _mm_prefetch(p16 ? (const char *)(a->p16 + ahead) : (const char *)(a->p32 + ahead), _MM_HINT_T0);
+                _mm_prefetch((const char *)a->grad + ahead * (g16 ? 2 : 4), _MM_HINT_T0);
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; j++) {
+                    __m256 m = v8_decode(0, a->mq + s + k + 8 * j, am), v = v8_decode(1, a->vq + s + k + 8 * j, av);
+                    v8_update(a, s + k + 8 * j, &m, &v, g16, p16, cp);
+                    _mm256_storeu_ps(sm + k + 8 * j, m);
+                    _mm256_storeu_ps(sv + k + 8 * j, v);
+                    xam = _mm256_max_ps(_mm256_andnot_ps(sign, m), xam); /* = x > am ? x : am lane-wise: skips NaN */
+                    xav = _mm256_max_ps(v, xav);
+                }
+            }
+            if (k < qfull) {
+                v8_encode32(0, om + k, qim, a->mq + qs + k);
+                v8_encode32(1, ov + k, qiv, a->vq + qs + k);
+            }
         }
-        for (int k = 0; k < 4; k++) {
-            v8_update(a, s + i + 8 * k, &m[k], &v[k], g16, p16, cp);
-            _mm256_storeu_ps(sm + i + 8 * k, m[k]);
-            _mm256_storeu_ps(sv + i + 8 * k, v[k]);
-            xam = _mm256_max_ps(_mm256_andnot_ps(sign, m[k]), xam); /* = x > am ? x : am lane-wise: skips NaN */
-            xav = _mm256_max_ps(v[k], xav);
+        for (int64_t i = qfull; i < qlen; i++) {
+            a->mq[qs + i] = encode(0, om[i] * qim);
+            a->vq[qs + i] = encode(1, ov[i] * qiv);
         }
-    }
-    float lm[8], lv[8], nm = 0.0f, nv = 0.0f;
-    _mm256_storeu_ps(lm, xam);
-    _mm256_storeu_ps(lv, xav);
-    for (int k = 0; k < 8; k++) {
-        nm = lm[k] > nm ? lm[k] : nm;
-        nv = lv[k] > nv ? lv[k] : nv;
-    }
-    for (int64_t i = nfull; i < len; i++) {
-        sm[i] = g_code[0][a->mq[s + i]] * am;
-        sv[i] = g_code[1][a->vq[s + i]] * av;
-    }
-    update_range(a, s + nfull, len - nfull, sm + nfull, sv + nfull);
-    for (int64_t i = nfull; i < len; i++) {
-        const float x = fabsf(sm[i]);
-        nm = x > nm ? x : nm;
-        nv = sv[i] > nv ? sv[i] : nv;
-    }
-    a->mabs[blk] = nm;
-    a->vabs[blk] = nv;
-    const float im = nm > 0.0f ? 1.0f / nm : 0.0f, iv = nv > 0.0f ? 1.0f / nv : 0.0f;
-    for (int64_t i = 0; i < nfull; i += 32) {
-        v8_encode32(0, sm + i, im, a->mq + s + i);
-        v8_encode32(1, sv + i, iv, a->vq + s + i);
-    }
-    for (int64_t i = nfull; i < len; i++) {
-        a->mq[s + i] = encode(0, sm[i] * im);
-        a->vq[s + i] = encode(1, sv[i] * iv);
+        if (!len) break;
+        float lm[8], lv[8], inv[2];
+        _mm256_storeu_ps(lm, xam);
+        _mm256_storeu_ps(lv, xav);
+        tail8(a, s, nfull, len, sm, sv, lm, lv, 8, inv);
+        qs = s;
+        qlen = len;
+        qim = inv[0];
+        qiv = inv[1];
     }
 }
 
-/* The bucket encoder of the tests' lt_encode: codes of x[0..n), 32 at a time; returns how many it wrote. */
+/* Blocks [b0, b1) of an 8-bit tensor; scratch holds two blocks' m and v. */
+static void do_blocks8(const lt_args *a, int64_t b0, int64_t b1, float *scratch) {
+    const int g16 = a->grad_bf16 != 0, p16 = a->p16 != NULL, cp = a->copy != NULL;
+    switch (g16 | p16 << 1 | cp << 2) {
+    case 0: v8_blocks(a, b0, b1, scratch, 0, 0, 0); break;
+    case 1: v8_blocks(a, b0, b1, scratch, 1, 0, 0); break;
+    case 2: v8_blocks(a, b0, b1, scratch, 0, 1, 0); break;
+    case 3: v8_blocks(a, b0, b1, scratch, 1, 1, 0); break;
+    case 4: v8_blocks(a, b0, b1, scratch, 0, 0, 1); break;
+    case 5: v8_blocks(a, b0, b1, scratch, 1, 0, 1); break;
+    case 6: v8_blocks(a, b0, b1, scratch, 0, 1, 1); break;
+    default: v8_blocks(a, b0, b1, scratch, 1, 1, 1); break;
+    }
+}
+
+static int encoder_ok(int w) { return g_cell[w].ok; }
+
+/* The cell encoder of the tests' lt_encode: codes of x[0..n), 32 at a time; returns how many it wrote. Values
+ * are first clamped to [-1.5, 1.5], NaN kept (no threshold but +inf lies outside, cell_build checks): the same
+ * codes, and inside the cells' range, as the kernel's values (at most the block absmax times its reciprocal). */
 static int64_t vec_encode(int w, const float *x, uint8_t *out, int64_t n) {
     int64_t i = 0;
-    for (; i + 32 <= n; i += 32) w ? v8_encode32(1, x + i, 1.0f, out + i) : v8_encode32(0, x + i, 1.0f, out + i);
+    float c[32] __attribute__((aligned(32)));
+    for (; i + 32 <= n; i += 32) {
+        for (int k = 0; k < 32; k += 8) /* max_ps and min_ps return their second operand where one is NaN */
+            _mm256_store_ps(c + k, _mm256_min_ps(_mm256_set1_ps(1.5f),
+                                                 _mm256_max_ps(_mm256_set1_ps(-1.5f), _mm256_loadu_ps(x + i + k))));
+        w ? v8_encode32(1, c, 1.0f, out + i) : v8_encode32(0, c, 1.0f, out + i);
+    }
     return i;
 }
 #endif

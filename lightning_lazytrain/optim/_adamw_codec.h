@@ -1,6 +1,6 @@
 /* 8-bit codec of the fused AdamW kernel (included by _adamw_kernel.c): the bitsandbytes dynamic map's exact
- * nearest-code encoder and its decoder, vectorized for AVX-512 with the plain search as the fallback, and the
- * bucket encoder the AVX2 and NEON paths vectorize. */
+ * nearest-code encoder and its decoder, vectorized for AVX-512 with the plain search as the fallback, the bucket
+ * encoder of the NEON path and the cell encoder of the AVX2 path (_adamw_cell.h). */
 static float g_code[2][256], g_thr[2][256];
 
 /* Nearest code = number of decision thresholds strictly below x (ties go to the lower code). The specification
@@ -101,12 +101,11 @@ static void enc_build(lt_enc *E, const float *thr) {
     }
 }
 
-/* Bucket encoder (AVX2 and NEON paths): the bits of a positive float, from octave LT_OCT0 on, cut into buckets of
+/* Bucket encoder (NEON path): the bits of a positive float, from octave LT_OCT0 on, cut into buckets of
  * 2^16 floats (2^LT_BK per octave); bkt_build checks that no bucket holds more than one threshold, so the count
  * below a value is the count below its bucket plus one compare with that threshold, whose high bits are the
  * bucket's: one 32-bit table entry holds the count (high half) and the threshold's low 16 bits (0xffff where the
- * bucket has none, which no value's low bits exceed). Exact by construction, one table load and no search: one
- * gather on AVX2, a scalar load on NEON. The first and last buckets, which take every value below and above the
+ * bucket has none, which no value's low bits exceed). Exact by construction, one table load and no search. The first and last buckets, which take every value below and above the
  * octaves, must hold no threshold. */
 #define LT_BK 7
 #define LT_NBKT (32 << LT_BK)
@@ -150,6 +149,8 @@ static inline uint8_t bkt_encode(int which, float x) {
     const int32_t code = neg ? K->nneg - c : K->nneg + c;
     return (uint8_t)(code < 0 ? 0 : code > 255 ? 255 : code);
 }
+
+#include "_adamw_cell.h"
 
 #if LT_HAS_AVX512
 #define LT_LD(p) _mm512_loadu_si512((const void *)(p))
@@ -197,6 +198,14 @@ static inline __attribute__((always_inline)) void enc64(int w, const float *x, f
          left &= left - 1)
         out[__builtin_ctzll(left)] = encode(w, x[__builtin_ctzll(left)] * inv);
 }
+
+static int encoder_ok(int w) { return g_enc[w].ok; }
+
+static int64_t vec_encode(int w, const float *x, uint8_t *out, int64_t n) {
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) w ? enc64(1, x + i, 1.0f, out + i) : enc64(0, x + i, 1.0f, out + i);
+    return i;
+}
 #endif
 
 #if LT_PATH == LT_AVX512VBMI
@@ -234,6 +243,7 @@ void lt_set_tables(const float *code_s, const float *thr_s, const float *code_u,
     for (int w = 0; w < 2; w++) {
         enc_build(&g_enc[w], g_thr[w]);
         bkt_build(&g_bkt[w], g_thr[w]);
+        cell_build(&g_cell[w], g_thr[w]);
     }
 #if LT_PATH == LT_AVX512VBMI
     for (int w = 0; w < 2; w++)

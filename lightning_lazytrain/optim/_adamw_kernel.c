@@ -3,8 +3,9 @@
  * Per block of elements: read the gradient (fp32 or bf16, times the clip coefficient), read the moments (fp32,
  * or 8-bit codes + block absmax), update them, update the parameter (fp32, or bf16 with stochastic rounding),
  * write the optional bf16 streaming copy, re-quantize the moments. Blocks are spread over OpenMP threads. The
- * fp32-state loops are plain arrays the compiler vectorizes (-O3 -march=native); 8-bit blocks run one AVX-512
- * loop (_adamw_fused8.h) around the codec of _adamw_codec.h where the CPU has VBMI, else per-block passes.
+ * fp32-state loops are plain arrays the compiler vectorizes (kernel.py's flags per path); 8-bit blocks run one
+ * AVX-512 loop (_adamw_fused8.h) around the codec of _adamw_codec.h where the CPU has VBMI, one AVX2 loop
+ * (_adamw_avx2.h) or a NEON block loop (_adamw_neon.h), else per-block passes.
  * The arithmetic follows torch.optim.AdamW's single-tensor path operation by operation (fp contraction is off
  * at build time; explicit fmaf only where torch's vectorized lerp and addcmul use one), so fp32 mode matches
  * torch to rounding. Plain C with a ctypes entry point: no torch headers, so building takes about a second.
@@ -199,51 +200,53 @@ static void do_block(const lt_args *a, int64_t s, int64_t len, float *restrict s
     }
 }
 
+#if LT_PATH == LT_AVX2 || LT_PATH == LT_NEON
+/* The scalar end of the vector loops' 8-bit block at s: folds the lanes[0..nl) of its new absmax, decodes,
+ * updates and folds elements i0..len into its scratch sm, sv (i0: the loop's last full step), stores the absmax
+ * and returns their reciprocals in inv (0 for 0). */
+static void tail8(const lt_args *a, int64_t s, int64_t i0, int64_t len, float *sm, float *sv, const float *lanes_m,
+                  const float *lanes_v, int nl, float inv[2]) {
+    const int64_t blk = s / a->block;
+    float nm = 0.0f, nv = 0.0f;
+    for (int k = 0; k < nl; k++) {
+        nm = lanes_m[k] > nm ? lanes_m[k] : nm;
+        nv = lanes_v[k] > nv ? lanes_v[k] : nv;
+    }
+    for (int64_t i = i0; i < len; i++) {
+        sm[i] = g_code[0][a->mq[s + i]] * a->mabs[blk];
+        sv[i] = g_code[1][a->vq[s + i]] * a->vabs[blk];
+    }
+    update_range(a, s + i0, len - i0, sm + i0, sv + i0);
+    for (int64_t i = i0; i < len; i++) {
+        const float x = fabsf(sm[i]);
+        nm = x > nm ? x : nm;
+        nv = sv[i] > nv ? sv[i] : nv;
+    }
+    a->mabs[blk] = nm;
+    a->vabs[blk] = nv;
+    inv[0] = nm > 0.0f ? 1.0f / nm : 0.0f;
+    inv[1] = nv > 0.0f ? 1.0f / nv : 0.0f;
+}
+#endif
+
+/* Each vector path defines encoder_ok (its fast encoder accepted map w), vec_encode (codes of x[0..n) by it, as
+ * many as its step allows; returns how many) and, but for AVX512F, do_blocks8 (blocks [b0, b1) of an 8-bit
+ * tensor, scratch: two blocks' m and v). */
 #include "_adamw_fused8.h"
 #include "_adamw_avx2.h"
 #include "_adamw_neon.h"
-
-#if LT_PATH == LT_AVX2 || LT_PATH == LT_NEON
-#define LT_BLOCK8 1
-/* One 8-bit block of the AVX2 or NEON loop; sm, sv: scratch for its moments. */
-static void do_block8(const lt_args *a, int64_t s, int64_t len, float *sm, float *sv) {
-    const int g16 = a->grad_bf16 != 0, p16 = a->p16 != NULL, cp = a->copy != NULL;
-    switch (g16 | p16 << 1 | cp << 2) {
-    case 0: block8_t(a, s, len, sm, sv, 0, 0, 0); break;
-    case 1: block8_t(a, s, len, sm, sv, 1, 0, 0); break;
-    case 2: block8_t(a, s, len, sm, sv, 0, 1, 0); break;
-    case 3: block8_t(a, s, len, sm, sv, 1, 1, 0); break;
-    case 4: block8_t(a, s, len, sm, sv, 0, 0, 1); break;
-    case 5: block8_t(a, s, len, sm, sv, 1, 0, 1); break;
-    case 6: block8_t(a, s, len, sm, sv, 0, 1, 1); break;
-    default: block8_t(a, s, len, sm, sv, 1, 1, 1); break;
-    }
-}
-#else
-#define LT_BLOCK8 0
+#define LT_BLOCKS8 (LT_PATH == LT_AVX512VBMI || LT_PATH == LT_AVX2 || LT_PATH == LT_NEON)
+#if LT_PATH == LT_SCALAR /* no fast encoder */
+#define encoder_ok(w) 0
+#define vec_encode(w, x, out, n) 0
 #endif
 
 /* Whether the path's fast encoder accepted both maps (else every path encodes with the plain search). */
-int lt_fast_encoder(void) {
-#if LT_HAS_AVX512
-    return g_enc[0].ok && g_enc[1].ok;
-#elif LT_BLOCK8
-    return g_bkt[0].ok && g_bkt[1].ok;
-#else
-    return 0;
-#endif
-}
+int lt_fast_encoder(void) { return encoder_ok(0) && encoder_ok(1); }
 
 /* Codes of x[0..n) (already divided by their absmax): the path's encoder, exposed for the tests. */
 void lt_encode(int which, const float *x, uint8_t *out, int64_t n) {
-    int64_t i = 0;
-#if LT_HAS_AVX512
-    if (g_enc[which].ok)
-        for (; i + 64 <= n; i += 64) which ? enc64(1, x + i, 1.0f, out + i) : enc64(0, x + i, 1.0f, out + i);
-#elif LT_BLOCK8
-    if (g_bkt[which].ok) i = vec_encode(which, x, out, n);
-#endif
-    for (; i < n; i++) out[i] = encode(which, x[i]);
+    for (int64_t i = encoder_ok(which) ? vec_encode(which, x, out, n) : 0; i < n; i++) out[i] = encode(which, x[i]);
 }
 
 /* Blocks per work item of the shared queue: big enough that the 8-bit pipeline's one extra drain per item and
@@ -253,7 +256,8 @@ void lt_encode(int which, const float *x, uint8_t *out, int64_t n) {
 #define LT_ITEM_BLOCKS 8
 
 /* Which code path this build runs: LT_AVX512VBMI (fused 8-bit loop, vector codec), LT_AVX512F (vector absmax
- * and encoder), LT_AVX2 / LT_NEON (8-bit block loop, bucket encoder), LT_SCALAR (C the compiler vectorizes). */
+ * and encoder), LT_AVX2 (8-bit loop, cell encoder), LT_NEON (8-bit block loop, bucket encoder), LT_SCALAR (C the
+ * compiler vectorizes). */
 int lt_simd_level(void) { return LT_PATH; }
 
 /* Returns 0 on success, 1 if scratch memory could not be allocated. */
@@ -264,14 +268,7 @@ int lt_adamw_step(const lt_args *a) {
     int nt = a->nthreads > 0 ? a->nthreads : 1;
     if (nitems < nt) nt = (int)(nitems > 0 ? nitems : 1);
     int failed = 0;
-#if LT_PATH == LT_AVX512VBMI
-    const int fused = a->mq && g_enc[0].ok && g_enc[1].ok;
-#else
-    const int fused = 0;
-#endif
-#if LT_BLOCK8
-    const int block8 = a->mq && lt_fast_encoder();
-#endif
+    const int fused = LT_BLOCKS8 && a->mq && lt_fast_encoder();
 #pragma omp parallel num_threads(nt) reduction(| : failed)
     {
         float *scratch = (float *)aligned_alloc(64, (size_t)(((bs * (fused ? 16 : 8) + 63) / 64) * 64));
@@ -281,7 +278,7 @@ int lt_adamw_step(const lt_args *a) {
             const int64_t b0 = item * LT_ITEM_BLOCKS;
             const int64_t b1 = b0 + LT_ITEM_BLOCKS < nblk ? b0 + LT_ITEM_BLOCKS : nblk;
             if (!scratch) continue;
-#if LT_PATH == LT_AVX512VBMI
+#if LT_BLOCKS8
             if (fused) {
                 do_blocks8(a, b0, b1, scratch);
                 continue;
@@ -289,12 +286,6 @@ int lt_adamw_step(const lt_args *a) {
 #endif
             for (int64_t b = b0; b < b1; b++) {
                 const int64_t s = b * bs, len = (s + bs <= a->n) ? bs : a->n - s;
-#if LT_BLOCK8
-                if (block8) {
-                    do_block8(a, s, len, scratch, scratch + bs);
-                    continue;
-                }
-#endif
                 do_block(a, s, len, scratch, scratch + bs);
             }
         }

@@ -82,31 +82,36 @@ static inline __attribute__((always_inline)) void block8_t(const lt_args *a, int
         xam = n4_max(vabsq_f32(m), xam);
         xav = n4_max(v, xav);
     }
-    float lm[4], lv[4], nm = 0.0f, nv = 0.0f;
+    float lm[4], lv[4], inv[2];
     vst1q_f32(lm, xam);
     vst1q_f32(lv, xav);
-    for (int k = 0; k < 4; k++) {
-        nm = lm[k] > nm ? lm[k] : nm;
-        nv = lv[k] > nv ? lv[k] : nv;
-    }
-    for (int64_t i = nfull; i < len; i++) {
-        sm[i] = g_code[0][a->mq[s + i]] * am;
-        sv[i] = g_code[1][a->vq[s + i]] * av;
-    }
-    update_range(a, s + nfull, len - nfull, sm + nfull, sv + nfull);
-    for (int64_t i = nfull; i < len; i++) {
-        const float x = fabsf(sm[i]);
-        nm = x > nm ? x : nm;
-        nv = sv[i] > nv ? sv[i] : nv;
-    }
-    a->mabs[blk] = nm;
-    a->vabs[blk] = nv;
-    const float im = nm > 0.0f ? 1.0f / nm : 0.0f, iv = nv > 0.0f ? 1.0f / nv : 0.0f;
+    tail8(a, s, nfull, len, sm, sv, lm, lv, 4, inv);
     for (int64_t i = 0; i < len; i++) {
-        a->mq[s + i] = bkt_encode(0, sm[i] * im);
-        a->vq[s + i] = bkt_encode(1, sv[i] * iv);
+        a->mq[s + i] = bkt_encode(0, sm[i] * inv[0]);
+        a->vq[s + i] = bkt_encode(1, sv[i] * inv[1]);
     }
 }
+
+/* Blocks [b0, b1) of an 8-bit tensor, one at a time; scratch holds one block's m and v. */
+static void do_blocks8(const lt_args *a, int64_t b0, int64_t b1, float *scratch) {
+    const int g16 = a->grad_bf16 != 0, p16 = a->p16 != NULL, cp = a->copy != NULL;
+    for (int64_t b = b0; b < b1; b++) {
+        const int64_t s = b * a->block, len = s + a->block <= a->n ? a->block : a->n - s;
+        float *sm = scratch, *sv = scratch + a->block;
+        switch (g16 | p16 << 1 | cp << 2) {
+        case 0: block8_t(a, s, len, sm, sv, 0, 0, 0); break;
+        case 1: block8_t(a, s, len, sm, sv, 1, 0, 0); break;
+        case 2: block8_t(a, s, len, sm, sv, 0, 1, 0); break;
+        case 3: block8_t(a, s, len, sm, sv, 1, 1, 0); break;
+        case 4: block8_t(a, s, len, sm, sv, 0, 0, 1); break;
+        case 5: block8_t(a, s, len, sm, sv, 1, 0, 1); break;
+        case 6: block8_t(a, s, len, sm, sv, 0, 1, 1); break;
+        default: block8_t(a, s, len, sm, sv, 1, 1, 1); break;
+        }
+    }
+}
+
+static int encoder_ok(int w) { return g_bkt[w].ok; }
 
 /* The bucket encoder of the tests' lt_encode: codes of x[0..n); returns how many it wrote. */
 static int64_t vec_encode(int w, const float *x, uint8_t *out, int64_t n) {

@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 _SRC = Path(__file__).with_name("_adamw_kernel.c")
-_HEADERS = [Path(__file__).with_name(f"_adamw_{name}.h") for name in ("codec", "fused8", "avx2", "neon")]
+_HEADERS = [Path(__file__).with_name(f"_adamw_{name}.h") for name in ("codec", "cell", "fused8", "avx2", "neon")]
 _FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 _AVX512 = ["-mavx2", "-mfma", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl"]
 # path -> (LT_PATH of _adamw_kernel.c, compiler flags, /proc/cpuinfo flags it needs), fastest first per ISA.
@@ -209,11 +209,7 @@ def load_kernel(path: str | None = None) -> ctypes.CDLL:
 
 
 def kernel_available() -> bool:
-    try:
-        load_kernel()
-        return True
-    except KernelUnavailable:
-        return False
+    return kernel_path() != "torch"
 
 
 def kernel_path() -> str:
@@ -237,8 +233,8 @@ def kernel_encode(x: torch.Tensor, signed: bool, path: str | None = None) -> tor
 
 
 def fast_encoder(path: str | None = None) -> bool:
-    """Whether the kernel's ``path`` uses its table-driven encoder (the AVX-512 one, or the bucket encoder of
-    AVX2 and NEON) rather than the plain search: a vector path whose map tables passed its checks."""
+    """Whether the kernel's ``path`` uses its table-driven encoder (AVX-512's, AVX2's cell encoder, NEON's bucket
+    encoder) rather than the plain search: a vector path whose map tables passed its checks."""
     return bool(load_kernel(path).lt_fast_encoder())
 
 
