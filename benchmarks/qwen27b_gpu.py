@@ -129,30 +129,34 @@ def main() -> None:
     num_params = sum(p.numel() for p in model.parameters())
     fpt = model_flops_per_token(config, num_params, SEQ)
     built_s = time.perf_counter() - start
+    def save(rows: list[dict]) -> None:  # after every row: a run the call's time limit stops keeps its rows
+        fitting = [r["batch"] for r in rows if r["status"] == "ok"]
+        write_results(
+            args.out,
+            {
+                "group": "qwen27b",
+                "shape": SHAPE,
+                "config": source,
+                "params": num_params,
+                "precision": "bf16-true",
+                "optimizer": "HybridAdamW eight_bit_fraction=1.0",
+                "model_build_s": built_s,
+                "host_total_gib": psutil.virtual_memory().total / GIB,
+                "largest_batch_measured": max(fitting, default=None),
+                "rows": rows,
+                "wall_s": time.perf_counter() - start,
+                "pid": os.getpid(),
+            },
+        )
+
     rows = [measure(model, args.batch, args.steps, args.warmup, fpt)]
+    save(rows)
     for batch in args.larger:
         if rows[-1]["status"] != "ok" or time.perf_counter() - start > args.budget_s:
             break
         rows.append(measure(model, batch, 3, 1, fpt))
+        save(rows)
         gc.collect()
-    fitting = [r["batch"] for r in rows if r["status"] == "ok"]
-    write_results(
-        args.out,
-        {
-            "group": "qwen27b",
-            "shape": SHAPE,
-            "config": source,
-            "params": num_params,
-            "precision": "bf16-true",
-            "optimizer": "HybridAdamW eight_bit_fraction=1.0",
-            "model_build_s": built_s,
-            "host_total_gib": psutil.virtual_memory().total / GIB,
-            "largest_batch_measured": max(fitting, default=None),
-            "rows": rows,
-            "wall_s": time.perf_counter() - start,
-            "pid": os.getpid(),
-        },
-    )
 
 
 if __name__ == "__main__":
