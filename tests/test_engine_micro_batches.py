@@ -14,7 +14,7 @@ import lightning_lazytrain  # noqa: F401  (registers the strategy name)
 from lightning_lazytrain import LazyTrainStrategy
 from lightning_lazytrain.engine import Schedule
 from lightning_lazytrain.engine.micro_batches import SummedGrads, row_slices, split_call
-from lightning_lazytrain.planner import PlanSettings
+from lightning_lazytrain.schedule.plan_inputs import PlanSettings
 
 
 def test_row_slices_cover_the_batch_evenly_and_never_empty():
@@ -116,7 +116,7 @@ def test_dropout_masks_are_replayed_per_micro_batch():
 
 
 def test_plan_and_settings_carry_micro_batches(tmp_path):
-    from lightning_lazytrain.planner import initial_plan
+    from lightning_lazytrain.planning.solve import initial_plan
 
     plan = Schedule.every(4, 2)
     assert plan.micro_batches == 1

@@ -23,15 +23,15 @@ class LeaveCachedBlocks(pl.Callback):
 
 
 def test_gpu_a_longer_batch_is_planned_with_the_first_plans_device_memory(monkeypatch):
-    import lightning_lazytrain.planner as planner
+    from lightning_lazytrain.planning import solve
 
-    totals, gpu_total_bytes = [], planner.gpu_total_bytes
-    monkeypatch.setattr(planner, "gpu_total_bytes", lambda e: totals.append(gpu_total_bytes(e)) or totals[-1])
+    totals, device_plan_bytes = [], solve.device_plan_bytes
+    monkeypatch.setattr(solve, "device_plan_bytes", lambda e: totals.append(device_plan_bytes(e)) or totals[-1])
     data = batches(1, seq=16) + batches(1, seq=200, seed=2) + batches(1, seq=16, seed=3)
     plain, _ = train(tiny_model("qwen3"), data, accelerator="gpu")
     strategy = LazyTrainStrategy(schedule="milp")
     lt, _ = train(tiny_model("qwen3"), data, accelerator="gpu", strategy=strategy, callbacks=[LeaveCachedBlocks()])
-    assert strategy.resume.plan_shape == (2, 256)
+    assert strategy.run_plan.shape == (2, 256)
     first, replanned = totals[0], totals[-1]
     print(f"plan totals: first {first / 2**30:.2f} GiB, after step 1 {replanned / 2**30:.2f} GiB")
     assert abs(first - replanned) < CACHED / 4
