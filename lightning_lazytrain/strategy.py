@@ -24,14 +24,14 @@ from lightning_lazytrain.checkpointing import CheckpointingStrategy
 from lightning_lazytrain.engine import StreamingExecutor
 from lightning_lazytrain.engine.device import prefer_expandable_segments
 from lightning_lazytrain.engine.generation import EvalGeneration
-from lightning_lazytrain.engine.updates.placement import DeviceStates, check_device_updates
+from lightning_lazytrain.engine.generation_plan import GenerationMode, check_generation_mode
 from lightning_lazytrain.models import adapter_for, find_hf_model
 from lightning_lazytrain.models.fused_kernels import FusedKernels, check_fused_kernels, use_fused_kernels
 from lightning_lazytrain.planning import LinkDrift, OomLadder, RunPlan
+from lightning_lazytrain.planning.update_placement import DeviceStates, check_device_updates
 from lightning_lazytrain.precision import LazyTrainPrecision
 from lightning_lazytrain.resume import ResumeState
 from lightning_lazytrain.schedule import Schedule
-from lightning_lazytrain.schedule.generation import GenerationMode, check_generation_mode
 from lightning_lazytrain.schedule.plan_inputs import PlanSettings
 from lightning_lazytrain.weight_averaging import install_weight_averaging_sync
 

@@ -11,7 +11,8 @@ from helpers import batches, loader, rel_diff, tiny_model
 from test_engine_updates import HybridModule, fit
 
 from lightning_lazytrain import LazyTrainStrategy
-from lightning_lazytrain.engine.updates.placement import UnitTraffic, homes_that_fit
+from lightning_lazytrain.engine.updates.traffic import UnitTraffic
+from lightning_lazytrain.planning.update_placement import homes_that_fit
 
 
 class CopiesIn(pl.Callback):

@@ -121,7 +121,7 @@ class RunPlan:
                 return run_step()
             except torch.OutOfMemoryError as exc:
                 if not (alone and self.ladder.applies(step, accumulate_grad_batches)):
-                    raise gpu_out_of_memory(exc, _free(executor), self.shape, self.schedule) from exc
+                    raise gpu_out_of_memory(exc, _free(executor), self.shape, plan_summary(self.schedule)) from exc
                 failure = exc.with_traceback(None)  # its frames hold the failed step's tensors
             # outside the except block the failed step's frames are gone: free the GPU memory they held before the
             # next rung is planned, or its budget would be what the failed step left free
@@ -129,7 +129,7 @@ class RunPlan:
             if executor.device.type == "cuda":
                 torch.cuda.empty_cache()
             if not self._next_rung(executor, failure):
-                raise gpu_out_of_memory(failure, _free(executor), self.shape, self.schedule) from failure
+                raise gpu_out_of_memory(failure, _free(executor), self.shape, plan_summary(self.schedule)) from failure
 
     def _next_rung(self, executor: StreamingExecutor, failure: BaseException) -> bool:
         """Adopt the next rung's plan; False when no rung changes the plan. An MILP rung solves again with a
@@ -207,6 +207,14 @@ class RunPlan:
             self._run(executor, plan, None, None)
         log.info("lazytrain: resumed on the plan the OOM fallback ladder chose (%s): %s, %d layer micro-batches",
                  ", ".join(self.ladder.taken), plan.counts(), plan.micro_batches)
+
+
+def plan_summary(plan: Schedule | None) -> str:
+    """A ``Schedule`` in a line: how many boundaries live in each home, and how many layers keep their graph."""
+    if plan is None:
+        return "not set"
+    slices = f", layers in {plan.micro_batches} row slices" if plan.micro_batches > 1 else ""
+    return f"{plan.counts()}, {plan.graph_layers} layers keep their graph{slices}"
 
 
 def _free(executor: StreamingExecutor) -> int | None:

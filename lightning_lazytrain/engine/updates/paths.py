@@ -20,8 +20,8 @@ from lightning_lazytrain.engine.grads.host import GradSink
 from lightning_lazytrain.engine.grads.sharded import ShardedGradSink
 from lightning_lazytrain.engine.updates.cpu import UpdateQueue
 from lightning_lazytrain.engine.updates.device import DeviceUpdatePath
-from lightning_lazytrain.engine.updates.placement import DeviceUpdates, assign_device_updates
 from lightning_lazytrain.engine.updates.sharded import ShardedUpdateQueue
+from lightning_lazytrain.engine.updates.traffic import DevicePlacement
 from lightning_lazytrain.engine.weights.shared_store import SharedParamStore
 from lightning_lazytrain.engine.weights.store import HostParamStore
 from lightning_lazytrain.optim import NonFiniteGuard, clip_coefficient, managed_ids
@@ -103,16 +103,15 @@ def host_path(store: HostParamStore, queues: DeviceQueues, staging_numel: int, t
 
 
 def direct_path(store: HostParamStore, queues: DeviceQueues, optimizer: torch.optim.Optimizer,
-                device_updates: DeviceUpdates, timeout_s: float) -> UpdatePath:
+                placement: DevicePlacement, timeout_s: float) -> UpdatePath:
     """The engine runs ``optimizer.step_params`` per unit from bf16 host gradients, off the main thread.
 
-    ``device_updates``: the share of parameters whose update runs on the GPU beside the CPU's
-    (``updates/placement.py``; ``None`` picks it from the measured CPU update and link rates on CUDA and is 0 on the
-    CPU), and whether their masters and states stay on the device between steps.
+    ``placement``: which units' update runs on the GPU beside the CPU's, as the plan side chose it
+    (`lightning_lazytrain.planning.update_placement`), and whether their masters and states stay on the device
+    between steps.
     """
     units = store.units
-    on_device, reserve, resident = assign_device_updates(units, optimizer, device_updates, queues.device,
-                                                         store.stream_dtype.itemsize)
+    on_device, reserve, resident = placement.on_device, placement.reserve_bytes, placement.resident
     sink = DirectGradSink(store, queues, store.stream_dtype, on_device)
     if store.master_dtype != store.stream_dtype:
         managed = managed_ids(optimizer)
