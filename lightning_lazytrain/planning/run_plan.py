@@ -38,8 +38,7 @@ class RunPlan:
     an interval or JSON plan, and before the first batch); ``profile``: the layer profile that plan was solved from
     (None for a plan read from a checkpoint or made by a rung that did not solve), which a re-plan starts from."""
 
-    def __init__(self, settings: PlanSettings, ladder: OomLadder, link_drift: LinkDrift,
-                 num_slots: int | None) -> None:
+    def __init__(self, settings: PlanSettings, ladder: OomLadder, link_drift: LinkDrift, num_slots: int | None) -> None:
         self.settings, self.ladder, self.link_drift, self.num_slots = settings, ladder, link_drift, num_slots
         self.schedule: Schedule | None = None
         self.shape: tuple[int, int] | None = None
@@ -63,8 +62,9 @@ class RunPlan:
         if self.settings.kind() == "milp":
             self._plan_for(batch_shape(batch), executor, step, log_dir)
 
-    def _run(self, executor: StreamingExecutor, schedule: Schedule, shape: tuple[int, int] | None,
-             profile: Profile | None) -> None:
+    def _run(
+        self, executor: StreamingExecutor, schedule: Schedule, shape: tuple[int, int] | None, profile: Profile | None
+    ) -> None:
         self.schedule, self.shape, self.profile = schedule, shape, profile
         executor.set_plan(schedule, self.num_slots)
 
@@ -75,8 +75,12 @@ class RunPlan:
                 self._maybe_replan(executor, step, log_dir)
                 return
             grown = grown_shape(planned, shape)
-            log.warning("lazytrain: batch %d x %d is larger than the %d x %d the plan was solved for: solving it for "
-                        "%d x %d", *shape, *planned, *grown)
+            log.warning(
+                "lazytrain: batch %d x %d is larger than the %d x %d the plan was solved for: solving it for %d x %d",
+                *shape,
+                *planned,
+                *grown,
+            )
             shape = grown
             self.ladder.rearm(step)
         elif (found := self.saved_plan(shape)) is not None:
@@ -89,8 +93,9 @@ class RunPlan:
         path = write_plan(schedule, log_dir)
         log.info("lazytrain: plan for batch %d x %d written to %s", *shape, path)
 
-    def _solve(self, executor: StreamingExecutor, shape: tuple[int, int],
-               profile: Profile | None = None) -> tuple[Schedule, Profile]:
+    def _solve(
+        self, executor: StreamingExecutor, shape: tuple[int, int], profile: Profile | None = None
+    ) -> tuple[Schedule, Profile]:
         """The plan budgets from the device memory free now: blocks the allocator still caches from earlier steps
         are not in use, but would count as taken (a mid-run plan would get less than the first one did)."""
         if executor.device.type == "cuda":
@@ -108,11 +113,22 @@ class RunPlan:
         schedule, profile = self._solve(executor, self.shape, drifted)
         self._run(executor, schedule, self.shape, profile)
         path = write_plan(schedule, log_dir)
-        log.warning("lazytrain: re-planned at step %d: %s, predicted exposed %.3f s, written to %s",
-                    step, schedule.counts(), schedule.predicted_exposed_seconds, path)
+        log.warning(
+            "lazytrain: re-planned at step %d: %s, predicted exposed %.3f s, written to %s",
+            step,
+            schedule.counts(),
+            schedule.predicted_exposed_seconds,
+            path,
+        )
 
-    def step_with_fallback(self, run_step: Callable[[], T], executor: StreamingExecutor, step: int,
-                           accumulate_grad_batches: int, alone: bool) -> T:
+    def step_with_fallback(
+        self,
+        run_step: Callable[[], T],
+        executor: StreamingExecutor,
+        step: int,
+        accumulate_grad_batches: int,
+        alone: bool,
+    ) -> T:
         """``run_step()``; on an out-of-memory error in the ladder's steps (``alone``: this process may change its
         plan by itself), the failed step is discarded, the next rung's plan adopted and the step run again.
         Otherwise the error is `faults.GpuMemoryError`, naming the plan that ran out."""
@@ -150,8 +166,9 @@ class RunPlan:
 
         milp = self.settings.kind() == "milp" and self.shape is not None
         assert self.schedule is not None
-        plan = self.ladder.next_plan(self.schedule, self.settings.spill_dir, resolve if milp else None, failure,
-                                     executor.batch_rows)
+        plan = self.ladder.next_plan(
+            self.schedule, self.settings.spill_dir, resolve if milp else None, failure, executor.batch_rows
+        )
         if plan is None:
             return False
         self.settings = replace(self.settings, layer_micro_batches=plan.micro_batches, **lowered)
@@ -166,8 +183,12 @@ class RunPlan:
             state["plan"] = {"shape": list(self.shape), "schedule": self.solved.to_json()}
         ladder = self.ladder
         if ladder.plan is not None:
-            state["oom_ladder"] = {"rung": ladder.rung, "taken": list(ladder.taken), "plan": ladder.plan.to_json(),
-                                   "settings": {name: getattr(self.settings, name) for name in LOWERED}}
+            state["oom_ladder"] = {
+                "rung": ladder.rung,
+                "taken": list(ladder.taken),
+                "plan": ladder.plan.to_json(),
+                "settings": {name: getattr(self.settings, name) for name in LOWERED},
+            }
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -198,15 +219,23 @@ class RunPlan:
         plan = Schedule.from_json(state["plan"])
         assert self.schedule is not None
         if saved["schedule"] != self.settings.schedule or plan.num_layers != self.schedule.num_layers:
-            log.warning("lazytrain: the checkpoint's OOM fallback plan (for schedule=%r) is not restored: this run "
-                        "has schedule=%r", saved["schedule"], self.settings.schedule)
+            log.warning(
+                "lazytrain: the checkpoint's OOM fallback plan (for schedule=%r) is not restored: this run "
+                "has schedule=%r",
+                saved["schedule"],
+                self.settings.schedule,
+            )
             return
         self.settings = replace(self.settings, **{name: saved[name] for name in LOWERED})
         self.ladder.rung, self.ladder.taken, self.ladder.plan = state["rung"], list(state["taken"]), plan
         if self.settings.kind() != "milp":
             self._run(executor, plan, None, None)
-        log.info("lazytrain: resumed on the plan the OOM fallback ladder chose (%s): %s, %d layer micro-batches",
-                 ", ".join(self.ladder.taken), plan.counts(), plan.micro_batches)
+        log.info(
+            "lazytrain: resumed on the plan the OOM fallback ladder chose (%s): %s, %d layer micro-batches",
+            ", ".join(self.ladder.taken),
+            plan.counts(),
+            plan.micro_batches,
+        )
 
 
 def plan_summary(plan: Schedule | None) -> str:

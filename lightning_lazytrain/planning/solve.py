@@ -35,17 +35,22 @@ def initial_plan(settings: PlanSettings, num_layers: int) -> Schedule:
         return plan
     if kind == "json":
         if settings.keep_graph_layers:
-            raise ValueError(f"keep_graph_layers={settings.keep_graph_layers} does not apply to the plan file "
-                             f"{settings.schedule}: its 'keep_graph' list says which layers keep their graph; set it "
-                             "there, or drop keep_graph_layers")
+            raise ValueError(
+                f"keep_graph_layers={settings.keep_graph_layers} does not apply to the plan file "
+                f"{settings.schedule}: its 'keep_graph' list says which layers keep their graph; set it "
+                "there, or drop keep_graph_layers"
+            )
         if settings.layer_micro_batches not in (1, "auto"):
-            raise ValueError(f"layer_micro_batches={settings.layer_micro_batches} does not apply to the plan file "
-                             f"{settings.schedule}: set its 'micro_batches' there, or drop layer_micro_batches")
+            raise ValueError(
+                f"layer_micro_batches={settings.layer_micro_batches} does not apply to the plan file "
+                f"{settings.schedule}: set its 'micro_batches' there, or drop layer_micro_batches"
+            )
         with open(settings.schedule) as f:
             schedule = Schedule.from_json(f.read())
         if schedule.num_layers != num_layers:
-            raise ValueError(f"the plan in {settings.schedule} is for {schedule.num_layers} layers, the model has"
-                             f" {num_layers}")
+            raise ValueError(
+                f"the plan in {settings.schedule} is for {schedule.num_layers} layers, the model has {num_layers}"
+            )
         return schedule
     return Schedule.every(num_layers, 1, 0)
 
@@ -89,28 +94,34 @@ def _spill_free_bytes(settings: PlanSettings) -> int:
 def measure_profile(settings: PlanSettings, executor: StreamingExecutor, shape: tuple[int, int]) -> Profile:
     """The layers profiled for ``shape`` (rows, length) on the executor's device, its hooks lifted."""
     with executor.unhooked():
-        return profile_model(executor.adapter, *shape, executor.device, executor.store.stream_dtype,
-                             spill_dir=settings.spill_dir)
+        return profile_model(
+            executor.adapter, *shape, executor.device, executor.store.stream_dtype, spill_dir=settings.spill_dir
+        )
 
 
 def solve_plan(inputs: PlanInputs, profile: Profile) -> Schedule:
     """Build and solve the MILP for ``profile`` under ``inputs``; a refusal names the budget that set it."""
     settings = inputs.settings
     try:
-        schedule = solve(problem_for(inputs, profile), time_limit=settings.solver_time_limit,
-                         mip_gap=settings.solver_mip_gap)
+        schedule = solve(
+            problem_for(inputs, profile), time_limit=settings.solver_time_limit, mip_gap=settings.solver_mip_gap
+        )
     except InfeasibleScheduleError as exc:
         notes = []
         cpu = budgets(inputs)[1]
         if exc.saved_boundaries and settings.cpu_activation_gib is None:
-            notes.append(f"The CPU budget, {cpu / GIB:.3f} GiB, is a quarter of the {cpu / GIB * 4:.1f} GiB of host "
-                         "RAM available at this batch: cpu_activation_gib sets it")
+            notes.append(
+                f"The CPU budget, {cpu / GIB:.3f} GiB, is a quarter of the {cpu / GIB * 4:.1f} GiB of host "
+                "RAM available at this batch: cpu_activation_gib sets it"
+            )
         held = inputs.update_held_bytes + inputs.update_reserve_bytes
         if gpu_total_bytes(inputs) is not None and held:
-            notes.append(f"Of the device memory, {held / GIB:.3f} GiB is held for the GPU's share of the optimizer "
-                         f"update ({inputs.update_held_bytes / GIB:.3f} GiB of masters and states kept or "
-                         "staged there): device_update_states='staged', a lower device_update_share, or "
-                         "device_update_share=0.0 leaves it to the plan")
+            notes.append(
+                f"Of the device memory, {held / GIB:.3f} GiB is held for the GPU's share of the optimizer "
+                f"update ({inputs.update_held_bytes / GIB:.3f} GiB of masters and states kept or "
+                "staged there): device_update_states='staged', a lower device_update_share, or "
+                "device_update_share=0.0 leaves it to the plan"
+            )
         if not notes:
             raise
         raise InfeasibleScheduleError(". ".join([str(exc), *notes]), exc.saved_boundaries) from exc

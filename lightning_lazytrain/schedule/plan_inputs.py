@@ -41,8 +41,10 @@ class PlanSettings:
         self.kind()  # a schedule string that is not understood fails when the strategy is made
         k = self.layer_micro_batches
         if k != "auto" and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
-            raise ValueError(f"layer_micro_batches={k!r}: use an integer >= 1 (each layer runs the batch in that "
-                             "many row slices) or 'auto' (the MILP takes the fewest with which a plan fits)")
+            raise ValueError(
+                f"layer_micro_batches={k!r}: use an integer >= 1 (each layer runs the batch in that "
+                "many row slices) or 'auto' (the MILP takes the fewest with which a plan fits)"
+            )
 
     def kind(self) -> str:
         if self.schedule == "auto":

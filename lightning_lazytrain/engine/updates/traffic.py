@@ -36,8 +36,9 @@ class UnitTraffic:
     home_bytes: int = 0  # device bytes its masters and states take when they stay there (``staging_bytes``)
 
 
-def unit_traffic(unit: ParamUnit, optimizer: torch.optim.Optimizer, stream_itemsize: int, resident: bool,
-                 device: torch.device) -> UnitTraffic:
+def unit_traffic(
+    unit: ParamUnit, optimizer: torch.optim.Optimizer, stream_itemsize: int, resident: bool, device: torch.device
+) -> UnitTraffic:
     """Bytes the device path moves for ``unit`` before the next forward may stream it (``resident``: only the
     stream copy out), the device bytes its kept gradients hold, and its update's peak on ``device``."""
     h2d = d2h = numel = work = 0
