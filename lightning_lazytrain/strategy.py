@@ -43,10 +43,12 @@ class LazyTrainStrategy(CheckpointingStrategy):
 
     Args:
         model_attr: attribute of the LightningModule holding the HF model; found automatically when there is one.
-        schedule: ``"interval:K"`` keeps every K-th layer boundary on the device and recomputes the rest in the
-            backward (``"interval:1"``: every boundary kept, one re-forward per layer); ``"milp"`` solves the
-            activation plan (GPU / CPU / NVMe / recompute per boundary) at the first training batch, and again
-            before a larger one; a path to a ``.json`` plan runs that plan.
+        schedule: ``"auto"`` (default): ``"milp"`` on CUDA, ``"interval:1"`` on other devices (the fastest plan
+            that fits the GPU, and a fixed one elsewhere); ``"interval:K"`` keeps every K-th layer boundary on the
+            device and recomputes the rest in the backward (``"interval:1"``: every boundary kept, one re-forward
+            per layer); ``"milp"`` solves the activation plan (GPU / CPU / NVMe / recompute per boundary, kept
+            graphs) at the first training batch, and again before a larger one; a path to a ``.json`` plan runs
+            that plan.
         keep_graph_layers: the last N layers keep their whole autograd graph on the device (no re-forward).
         num_slots: device weight slots; default: what the plan needs plus ``prefetch_depth``.
         prefetch_depth: how many layers ahead weights are copied while the current one computes.
@@ -75,10 +77,10 @@ class LazyTrainStrategy(CheckpointingStrategy):
             evaluation when they fit beside the KV cache (freed before training resumes), else streams them per
             decode step for as many prompts as fit; ``"resident"`` / ``"streamed"`` force one (printed with bytes).
         oom_fallback_steps: an out-of-memory error in the first N optimizer steps re-plans one rung down (smaller
-            GPU budget, more recompute, CPU/NVMe homes, twice the layer micro-batches; ``oom_ladder.py``) and runs
-            the step again; 0 stops at the first.
-        replan_every_n_steps: with ``schedule="milp"`` on CUDA, probe the link every N steps and solve the plan
-            again when it drifted from the profile by more than 25% (``lightning_lazytrain/replan.py``); 0: never.
+            GPU budget, more recompute, CPU/NVMe homes, twice the layer micro-batches; ``planning/oom_ladder.py``)
+            and runs the step again; 0 stops at the first.
+        replan_every_n_steps: with an MILP plan on CUDA, probe the link every N steps and solve the plan
+            again when it drifted from the profile by more than 25% (``planning/replan.py``); 0: never.
         fused_kernels: ``"auto"`` (default) runs the decoder layers' RMSNorm, SwiGLU MLP and RoPE through Liger-Kernel's
             Triton kernels when on CUDA with ``liger-kernel`` installed (faster, smaller graphs; bf16 rounding differs
             from HF's by what TRL's ``use_liger_kernel`` differs); ``"liger"`` insists; ``"none"`` runs HF's own.

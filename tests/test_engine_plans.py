@@ -68,3 +68,21 @@ def test_milp_plan_solved_at_first_batch_written_and_trains_like_all_gpu(tmp_pat
     assert stats["predicted_stall_s"] == pytest.approx(info["slack_seconds"] + info["step_start_seconds"])
     assert info["step_start_seconds"] > 0 and "predicted_exposed_s" in stats
     assert rel_diff(lt.model, ref.model) <= 1e-6
+
+
+def test_the_default_schedule_is_the_milp_on_cuda_and_a_fixed_plan_elsewhere(tmp_path):
+    """``schedule="auto"``: the MILP where the GPU's memory bounds the plan, ``interval:1`` on the CPU accelerator,
+    so a CPU run plans alike on every machine and trains as the interval plan does."""
+    from lightning_lazytrain.schedule.plan_inputs import PlanSettings
+
+    assert LazyTrainStrategy().schedule == "auto"
+    assert PlanSettings().on_device("cuda").schedule == "milp"
+    assert PlanSettings().on_device("cpu").schedule == "interval:1"
+    assert PlanSettings("interval:4").on_device("cuda").schedule == "interval:4"
+    model, data = tiny_model("qwen2"), batches(2)
+    ref, _ = train(model, data, strategy=LazyTrainStrategy(schedule="interval:1"))
+    strategy = LazyTrainStrategy()
+    lt, _ = train(model, data, strategy=strategy, default_root_dir=str(tmp_path))
+    assert strategy.schedule == "interval:1" and strategy.schedule_result is None
+    assert not (tmp_path / "lazytrain_plan.json").exists()
+    assert rel_diff(lt.model, ref.model) == 0.0

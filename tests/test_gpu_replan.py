@@ -36,3 +36,15 @@ def test_gpu_a_longer_batch_is_planned_with_the_first_plans_device_memory(monkey
     print(f"plan totals: first {first / 2**30:.2f} GiB, after step 1 {replanned / 2**30:.2f} GiB")
     assert abs(first - replanned) < CACHED / 4
     assert rel_diff(lt.model.cpu(), plain.model.cpu()) <= 1e-5
+
+
+def test_gpu_the_default_strategy_solves_the_milp(tmp_path):
+    """``strategy="lazytrain"`` with no option on CUDA: the plan is the MILP's, solved at the first batch and
+    written beside the logs, and the run matches plain."""
+    data = batches(2)
+    plain, _ = train(tiny_model("qwen3"), data, accelerator="gpu")
+    strategy = LazyTrainStrategy()
+    lt, _ = train(tiny_model("qwen3"), data, accelerator="gpu", strategy=strategy, default_root_dir=str(tmp_path))
+    assert strategy.schedule == "milp" and strategy.run_plan.shape == (2, 16)
+    assert strategy.schedule_result is not None and (tmp_path / "lazytrain_plan.json").exists()
+    assert rel_diff(lt.model.cpu(), plain.model.cpu()) <= 1e-5
