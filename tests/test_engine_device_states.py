@@ -20,7 +20,7 @@ class CopiesIn(pl.Callback):
 
     def on_train_end(self, trainer, module):
         trainer.strategy.executor.wait_updates()  # the last step's updates run behind the loop
-        path = trainer.strategy.executor.updates.device_path
+        path = trainer.strategy.executor.updates.device_queue
         self.copies, self.units, self.resident = path.copies_in, len(path.units), path.resident
 
 
@@ -219,7 +219,7 @@ def test_a_plan_short_of_device_memory_names_what_the_device_share_holds(monkeyp
     seen = []
 
     def tiny_total(executor):
-        device = executor.path.updates.device_path
+        device = executor.path.updates.device_queue
         sizes = [staging_bytes(u, device.optimizer) for u in device.units]
         seen.append((executor.device_update_held_bytes, executor.device_update_reserve_bytes, sizes))
         return 1 << 16

@@ -120,10 +120,10 @@ def test_plan_and_settings_carry_micro_batches(tmp_path):
 
     plan = Schedule.every(4, 2)
     assert plan.micro_batches == 1
-    again = Schedule.from_json(Schedule(plan.tiers, micro_batches=4).to_json())
+    again = Schedule.from_json(Schedule(plan.homes, micro_batches=4).to_json())
     assert again.micro_batches == 4 and not again.same_placement(plan)
     with pytest.raises(ValueError, match="micro_batches must be an integer >= 1"):
-        Schedule(plan.tiers, micro_batches=0)
+        Schedule(plan.homes, micro_batches=0)
     for wrong in (0, "fewest", True):
         with pytest.raises(ValueError, match=f"layer_micro_batches={wrong!r}.*or 'auto'"):
             PlanSettings(layer_micro_batches=wrong)

@@ -54,7 +54,7 @@ def test_last_rung_plan_is_the_expected_one():
 
     ladder, plan, seen = OomLadder(), Schedule.every(4, 1, 2), []
     while (plan := ladder.next_plan(plan, "/spill", None) or None) is not None:
-        seen.append((tuple(plan.tiers), tuple(plan.keep_graph)))
+        seen.append((tuple(plan.homes), tuple(plan.keep_graph)))
     assert seen == [
         (("gpu",) * 5, (False,) * 4),
         (("gpu", "recompute", "gpu", "recompute", "gpu"), (False,) * 4),
@@ -70,7 +70,7 @@ def test_the_micro_batch_rung_doubles_until_a_slice_is_one_row():
     seen = []
     while (plan := ladder.next_plan(plan, None, None, rows=6)) is not None:
         seen.append(plan.micro_batches)
-        assert plan.tiers == ["gpu", "cpu", "gpu"] and plan.keep_graph == [False, True]
+        assert plan.homes == ["gpu", "cpu", "gpu"] and plan.keep_graph == [False, True]
     assert seen == [2, 4, 6] and ladder.taken == [RUNGS[3]] * 3
     assert not ladder.applies(0, 1)
 
@@ -206,5 +206,5 @@ def test_a_changed_schedule_is_not_overridden_by_the_saved_ladder(tmp_path, capl
     with caplog.at_level(logging.WARNING, logger="lightning_lazytrain.planning"):
         loading.before_batch(None, executor, 0, str(tmp_path))
     assert loading.settings.layer_micro_batches == "auto" and loading.ladder.taken == []
-    assert executor.plan.micro_batches == 1 and loading.schedule.tiers == Schedule.every(2, 2, 0).tiers
+    assert executor.plan.micro_batches == 1 and loading.schedule.homes == Schedule.every(2, 2, 0).homes
     assert "this run has schedule='interval:2'" in caplog.text

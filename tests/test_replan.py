@@ -33,7 +33,7 @@ def test_slow_link_replans_at_a_step_boundary(tmp_path, caplog):
     first = {}
 
     def probe_after_first_plan():
-        first.setdefault("tiers", list(strategy.schedule_result.tiers))
+        first.setdefault("homes", list(strategy.schedule_result.homes))
         return 1e6, 1e6, 2e6  # 1 MB/s: another process owns the link
 
     strategy.run_plan.link_drift.probe = probe_after_first_plan
@@ -41,9 +41,9 @@ def test_slow_link_replans_at_a_step_boundary(tmp_path, caplog):
         lt, _ = train(model, data, strategy=strategy, default_root_dir=str(tmp_path))
     assert [e["step"] for e in strategy.run_plan.link_drift.events] == [1]  # step 2 probes the same slow link: no drift
     assert any("re-planned at step 1" in r.getMessage() for r in caplog.records)
-    assert "cpu" in first["tiers"] and "cpu" not in strategy.schedule_result.tiers
+    assert "cpu" in first["homes"] and "cpu" not in strategy.schedule_result.homes
     assert strategy.run_plan.profile.h2d_bytes_per_s == 1e6
-    assert json.loads((tmp_path / "lazytrain_plan.json").read_text())["tiers"] == strategy.schedule_result.tiers
+    assert json.loads((tmp_path / "lazytrain_plan.json").read_text())["homes"] == strategy.schedule_result.homes
     assert rel_diff(lt.model, ref.model) <= 1e-6
 
 
@@ -67,7 +67,7 @@ def test_a_larger_batch_is_planned_for_before_it_runs(tmp_path, caplog, monkeypa
     strategy = LazyTrainStrategy(schedule="milp", gpu_activation_gib=36 * ACT / 2**30, cpu_activation_gib=0.0)
     tiers = []
     strategy.run_plan.before_batch = _after(strategy.run_plan.before_batch,
-                                            lambda: tiers.append(list(strategy.schedule_result.tiers)))
+                                            lambda: tiers.append(list(strategy.schedule_result.homes)))
     with caplog.at_level(logging.WARNING):
         lt, _ = train(tiny_model("qwen3"), data, strategy=strategy, max_steps=4, default_root_dir=str(tmp_path))
     assert solved == [(2, 16), (2, 128), (3, 128)]

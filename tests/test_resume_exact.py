@@ -107,7 +107,7 @@ def test_strategy_state_round_trips_through_a_checkpoint_file(tmp_path):
     assert loading.resume.skipped_steps == 2
     assert loading.resume.nonfinite_guard.state_dict() == saving.resume.nonfinite_guard.state_dict()
     shape, plan = loading.run_plan.saved_plan((2, 16))
-    assert shape == (2, 16) and plan.tiers == saving.schedule_result.tiers
+    assert shape == (2, 16) and plan.homes == saving.schedule_result.homes
     assert loading.run_plan.saved_plan((1, 9))[0] == (2, 16)  # a shorter batch runs the saved plan, for its shape
     assert loading.run_plan.saved_plan((4, 16)) is None and loading.run_plan.saved_plan((2, 17)) is None
 

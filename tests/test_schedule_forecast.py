@@ -176,7 +176,7 @@ def test_an_interval_plan_is_the_one_the_engine_wouldlazytrain_run():
     run = lazytrain_run(meta(named("qwen2.5-7b")), schedule="interval:4", keep_graph_layers=2)
     f = forecast(run, machine_of(80), 16, analytic_for(run))
     engine = Schedule.every(28, 4, 2)
-    assert f.schedule.tiers == engine.tiers and f.schedule.keep_graph == engine.keep_graph
+    assert f.schedule.homes == engine.homes and f.schedule.keep_graph == engine.keep_graph
     # re-forwards of the 3 inner layers of each 4-layer block, as the MILP would charge them
     prof, blocks = analytic_for(run)(16), f.schedule.blocks()
     assert f.prediction.exposed_s == pytest.approx(sum(sum(prof.forward_seconds[s : e - 1]) for s, e in blocks))

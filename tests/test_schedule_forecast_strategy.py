@@ -161,7 +161,7 @@ def test_every_admitted_batch_has_a_plan_within_the_device_total(memory_gib):
         if f.schedule is None:
             continue
         charged = plan_gpu_bytes(problem_for(run, machine, _analytic(run)(batch)),
-                                 f.schedule.tiers, f.schedule.keep_graph, f.schedule.mlp_recompute)
+                                 f.schedule.homes, f.schedule.keep_graph, f.schedule.mlp_recompute)
         gpu = f.report.tiers["gpu"]
         # the tier is the MILP's device row: the resident copy and the margin outside it, the plan's bytes inside
         assert charged <= total and gpu.need == machine.gpu.memory_bytes - total + charged <= gpu.have
@@ -245,4 +245,4 @@ def test_a_forced_graphs_output_needs_a_home():
     assert some_plan_fits(replace(tight, cpu_budget_bytes=size))
     with pytest.raises(InfeasibleScheduleError):
         solve(tight)
-    assert solve(replace(tight, cpu_budget_bytes=size)).tiers[1] == "cpu"
+    assert solve(replace(tight, cpu_budget_bytes=size)).homes[1] == "cpu"

@@ -211,12 +211,12 @@ def test_build_problem_and_solve(tmp_path):
     assert problem.head_seconds == prof.head_seconds
     assert problem.h2d_bytes_per_s == pytest.approx(min(prof.h2d_bytes_per_s, prof.duplex_bytes_per_s / 2))
     sched = solve(problem, time_limit=10)
-    assert sched.tiers == ["gpu"] * (LAYERS + 1)
+    assert sched.homes == ["gpu"] * (LAYERS + 1)
     assert sched.recomputed_layers() == 0
     # only the two ends fit anywhere: the plan must recompute, proving the budgets reach the solver
     ends = prof.activation_bytes[0] + prof.activation_bytes[-1]
     tight = solve(build_problem(prof, ends, 0, 0, max_recompute_span=LAYERS), time_limit=10)
-    assert tight.tiers == ["gpu"] + ["recompute"] * (LAYERS - 1) + ["gpu"]
+    assert tight.homes == ["gpu"] + ["recompute"] * (LAYERS - 1) + ["gpu"]
     kept = build_problem(prof, huge, huge, huge, backward_factor=1.0, reforward=False)
     assert kept.window_seconds == pytest.approx([2.0 * f for f in prof.forward_seconds])
     assert kept.param_h2d_bytes == prof.param_bytes

@@ -33,26 +33,26 @@ RUNGS = ("smaller GPU budget", "more recompute", "CPU/NVMe homes", "smaller laye
 LOWERED = ("schedule", "gpu_activation_gib", "layer_micro_batches")
 
 
-def _rung_plan(plan: Schedule, tiers: list[str], keep_graph: list[bool], rung: str,
+def _rung_plan(plan: Schedule, homes: list[str], keep_graph: list[bool], rung: str,
                mlp_recompute: list[bool] | None = None, micro_batches: int | None = None) -> Schedule:
     # No recompute span: a rung may lengthen blocks past the one the plan was solved under, and that is the point.
-    return Schedule(tiers, status=f"oom rung: {rung}", keep_graph=keep_graph, mlp_recompute=mlp_recompute,
+    return Schedule(homes, status=f"oom rung: {rung}", keep_graph=keep_graph, mlp_recompute=mlp_recompute,
                     micro_batches=micro_batches or plan.micro_batches)
 
 
 def drop_graphs(plan: Schedule) -> Schedule:
-    return _rung_plan(plan, plan.tiers, [False] * plan.num_layers, RUNGS[0])
+    return _rung_plan(plan, plan.homes, [False] * plan.num_layers, RUNGS[0])
 
 
 def more_recompute(plan: Schedule) -> Schedule:
-    homes, saved = list(plan.tiers), [i for i, h in enumerate(plan.tiers[1:-1], start=1) if h != "recompute"]
+    homes, saved = list(plan.homes), [i for i, h in enumerate(plan.homes[1:-1], start=1) if h != "recompute"]
     for i in saved[::2]:
         homes[i] = "recompute"
     return _rung_plan(plan, homes, [False] * plan.num_layers, RUNGS[1])
 
 
 def host_homes(plan: Schedule, spill_dir: str | None) -> Schedule:
-    homes = list(plan.tiers)
+    homes = list(plan.homes)
     on_gpu = [i for i, h in enumerate(homes[1:-1], start=1) if h == "gpu" and not _graph_input(plan, i)]
     for k, i in enumerate(on_gpu):
         homes[i] = "nvme" if spill_dir is not None and k % 2 else "cpu"
@@ -62,7 +62,7 @@ def host_homes(plan: Schedule, spill_dir: str | None) -> Schedule:
 def smaller_micro_batches(plan: Schedule, rows: int) -> Schedule:
     """The same placement with twice the layer micro-batches, at most one row each (``rows``: the batch's)."""
     micro = max(plan.micro_batches, min(2 * plan.micro_batches, rows))
-    return _rung_plan(plan, plan.tiers, plan.keep_graph, RUNGS[3], plan.mlp_recompute, micro)
+    return _rung_plan(plan, plan.homes, plan.keep_graph, RUNGS[3], plan.mlp_recompute, micro)
 
 
 def _graph_input(plan: Schedule, i: int) -> bool:

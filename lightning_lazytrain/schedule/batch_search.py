@@ -27,7 +27,7 @@ def admits(run: RunSpec, machine: Machine, batch: int, profile_for: Callable[[in
         return False
     if run.plan_settings.kind() != "milp":
         schedule = plan(run, problem)
-        return plan_gpu_bytes(problem, schedule.tiers, schedule.keep_graph, schedule.mlp_recompute) <= (
+        return plan_gpu_bytes(problem, schedule.homes, schedule.keep_graph, schedule.mlp_recompute) <= (
             gpu_total_bytes(plan_inputs(run, machine)) or 0
         )
     return plan_exists(problem)

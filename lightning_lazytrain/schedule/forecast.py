@@ -202,7 +202,7 @@ def _gpu_pieces(run: RunSpec, machine: Machine, problem: ScheduleProblem, schedu
     """The GPU tier's pieces for ``schedule``: the resident copy, the margin, and what the MILP's device row
     charges the plan; their sum is at most the GPU's memory exactly when that row holds."""
     resident = gpu_layout(run.adapter, run.stream_dtype).resident_copy_bytes
-    charged = plan_gpu_pieces(problem, schedule.tiers, schedule.keep_graph, schedule.mlp_recompute)
+    charged = plan_gpu_pieces(problem, schedule.homes, schedule.keep_graph, schedule.mlp_recompute)
     available = max(0, machine.gpu.memory_bytes - resident)
     return dict(
         gpu_slot_bytes=charged["slots"],
@@ -229,7 +229,7 @@ def forecast(run: RunSpec, machine: Machine, batch: int, profile_for: Callable[[
                          "RAM left after the run's own pieces: cpu_activation_gib sets it")
         return Forecast(batch, _host_report(run, machine), scaling=scaling, notes=notes)
     sizes = dict.fromkeys(("gpu", "cpu", "nvme", "recompute"), 0)
-    for a, tier in zip(profile.activation_bytes, schedule.tiers):
+    for a, tier in zip(profile.activation_bytes, schedule.homes):
         sizes[tier] += a
     report = _host_report(
         run, machine, cpu_act=sizes["cpu"], disk=sizes["nvme"], gpu=_gpu_pieces(run, machine, problem, schedule)

@@ -19,7 +19,7 @@ from lightning_lazytrain.engine.grads.direct import DirectGradSink
 from lightning_lazytrain.engine.grads.host import GradSink
 from lightning_lazytrain.engine.grads.sharded import ShardedGradSink
 from lightning_lazytrain.engine.updates.cpu import UpdateQueue
-from lightning_lazytrain.engine.updates.device import DeviceUpdatePath
+from lightning_lazytrain.engine.updates.device import DeviceUpdateQueue
 from lightning_lazytrain.engine.updates.sharded import ShardedUpdateQueue
 from lightning_lazytrain.engine.updates.traffic import DevicePlacement
 from lightning_lazytrain.engine.weights.shared_store import SharedParamStore
@@ -38,8 +38,8 @@ class UpdatePath:
     @property
     def device_held_bytes(self) -> int:
         """Device memory the device-side updates took at setup (homes or staging buffers)."""
-        device_path = getattr(self.updates, "device_path", None)
-        return device_path.held_bytes if device_path is not None else 0
+        device_queue = getattr(self.updates, "device_queue", None)
+        return device_queue.held_bytes if device_queue is not None else 0
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -54,7 +54,7 @@ class UpdatePath:
             self.sink.forget()
             return False
         coef = clip_coefficient(norm_sq, clip_val) if clip_val else 1.0
-        self.updates.schedule(coef)
+        self.updates.enqueue(coef)
         return True
 
     def wait(self) -> None:
@@ -120,8 +120,8 @@ def direct_path(store: HostParamStore, queues: DeviceQueues, optimizer: torch.op
                 if id(e.param) in managed:
                     optimizer.register_stream_copy(e.param, unit.stream[e.offset : e.offset + e.numel].view(e.shape))
     device_units = [u for u, flag in zip(units, on_device, strict=True) if flag]
-    device_path = DeviceUpdatePath(optimizer, device_units, queues, timeout_s, resident) if device_units else None
-    return UpdatePath(sink, UpdateQueue(optimizer, store.versions, sink, timeout_s, device_path), reserve)
+    device_queue = DeviceUpdateQueue(optimizer, device_units, queues, timeout_s, resident) if device_units else None
+    return UpdatePath(sink, UpdateQueue(optimizer, store.versions, sink, timeout_s, device_queue), reserve)
 
 
 def sharded_path(store: SharedParamStore, queues: DeviceQueues, optimizer: torch.optim.Optimizer,
