@@ -135,7 +135,7 @@ def main() -> None:
             "build_seconds": s.info["build_seconds"], "gap": s.info["mip_gap"], "status": s.status,
             "objective": s.objective, "predicted_exposed_seconds": s.predicted_exposed_seconds,
             "recompute_seconds": s.info["recompute_seconds"], "slack_seconds": s.info["slack_seconds"],
-            "counts": s.counts(), "tiers": "".join(t[0] for t in s.tiers),
+            "counts": s.counts(), "homes": "".join(t[0] for t in s.homes),
             "kept_graphs": sum(s.keep_graph), "gpu_gib": s.info["gpu_bytes"] / GIB,
         }
         print(f"{name}: {results[name]['solve_seconds_median']:.2f} s  status={s.status}  gap={s.info['mip_gap']:.4f}"

@@ -3,7 +3,7 @@
 Run (pin it to two cores, as the target says):
 ``taskset -c 0,1 python benchmarks/milp_solve_2core.py [--out FILE]``
 
-The problem is what ``planner.solve_plan`` builds on the CPU, for the Qwen3.6-27B shape (``NAMED_SHAPES``) built
+The problem is what ``planning.solve.solve_plan`` builds on the CPU, for the Qwen3.6-27B shape (``NAMED_SHAPES``) built
 on the meta device: `analytic_profile` for the H200 (times from FLOPs, the published link figures, and
 the per-layer graph and working-set bytes `profile_model` gives off CUDA), built by `plan_problem`, every
 option that enlarges it on: per-layer kept graphs (two binaries per layer: the whole graph, or the graph with

@@ -62,7 +62,7 @@ class PhasePeaks(pl.Callback):
         strategy = trainer.strategy
         plan = strategy.executor.plan
         self.row.update({"plan": plan.counts(), "kept_graphs": plan.graph_layers,
-                         "plan_status": plan.status, "rungs": list(strategy.oom_ladder.taken),
+                         "plan_status": plan.status, "rungs": list(strategy.run_plan.ladder.taken),
                          "modelled_gib": plan.info.get("gpu_bytes", 0) / GIB,
                          "modelled_pieces_gib": {k: v / GIB for k, v in plan.info.get("gpu_pieces", {}).items()},
                          "resident_gib": strategy.executor.resident_device_bytes / GIB})
@@ -84,7 +84,7 @@ def main() -> None:
         torch.cuda.memory._record_memory_history(max_entries=200_000)
     cap_gpu_memory(args.cap_gib)
     run = build("lazytrain", args.shape, args.batch, {})
-    run.strategy.oom_ladder.steps = args.steps  # the ladder may act at any step of this run
+    run.strategy.run_plan.ladder.steps = args.steps  # the ladder may act at any step of this run
     peaks = PhasePeaks(args.live_at_step)
     data = RandomTokens(args.steps, args.batch, SEQ, run.module.model.config.vocab_size)
     trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=run.strategy, precision=run.precision,

@@ -111,7 +111,7 @@ def one_run(system: str, shape: str, batch: int, cap: float | None, steps: int, 
     ratio = work_ratio(system, timer.plan, rerun_share(qwen_config(shape), SEQ))
     stall = engine.get("stall_s", 0.0)
     waits = engine.get("update_wait_s", 0.0)
-    schedule = getattr(getattr(run.strategy, "resume", None), "schedule_result", None)
+    schedule = getattr(run.strategy, "schedule_result", None)
     row.update({
         "status": "ok", "optimizer": run.optimizer, "note": run.note, "step_s": s["step_s"],
         "step_s_each": s["step_s_each"],
@@ -133,7 +133,7 @@ def one_run(system: str, shape: str, batch: int, cap: float | None, steps: int, 
         "layer_micro_batches": schedule.micro_batches if schedule is not None else None,
         "kept_graphs": timer.plan.graph_layers if timer.plan is not None else None,
         # the rungs an out-of-memory error in the first steps took (then "plan" is the last rung's)
-        "oom_rungs": list(getattr(getattr(run.strategy, "oom_ladder", None), "taken", [])),
+        "oom_rungs": list(run.strategy.run_plan.ladder.taken) if hasattr(run.strategy, "run_plan") else [],
     })
     return row
 

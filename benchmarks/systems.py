@@ -169,8 +169,8 @@ def gpu_update_share(strategy) -> float | None:
     sub-groups kept there, all for the GPU-resident runs, none for FSDP's CPU offload; None where unreadable."""
     executor = getattr(strategy, "executor", None)
     if executor is not None:
-        device_path = getattr(getattr(executor.path, "updates", None), "device_path", None)
-        on_device = sum(u.numel for u in device_path.units) if device_path is not None else 0
+        device_queue = getattr(getattr(executor.path, "updates", None), "device_queue", None)
+        on_device = sum(u.numel for u in device_queue.units) if device_queue is not None else 0
         return on_device / sum(u.numel for u in executor.store.units)
     optimizer = getattr(getattr(strategy, "deepspeed_engine", None), "optimizer", None)
     if optimizer is not None:

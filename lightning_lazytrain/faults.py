@@ -13,12 +13,8 @@ import re
 import resource as _rlimit
 import shutil
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import psutil
-
-if TYPE_CHECKING:
-    from lightning_lazytrain.engine.plan import Schedule
 
 _FEWER_NVME = "use a plan with fewer 'nvme' homes (schedule='interval:K', or a plan JSON with 'cpu'/'recompute' there)"
 _OTHER_DIR = "point spill_dir at another local disk"
@@ -137,25 +133,18 @@ _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
 
 def gpu_out_of_memory(exc: BaseException, available: int | None, batch_shape: tuple[int, int] | None,
-                      plan: Schedule | None) -> GpuMemoryError:
-    """``exc`` is torch's OutOfMemoryError; the size it tried to allocate is read from its message."""
+                      plan: str) -> GpuMemoryError:
+    """``exc`` is torch's OutOfMemoryError; the size it tried to allocate is read from its message. ``plan``: the
+    plan that ran out, in a line (`planning.run_plan.plan_summary`)."""
     found = re.search(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)", str(exc))
     asked = int(float(found.group(1)) * _UNITS[found.group(2)]) if found else None
-    # an MILP plan's shape: the largest batch so far, which the plan was solved for (`replan.py`)
+    # an MILP plan's shape: the largest batch so far, which the plan was solved for (`planning/replan.py`)
     shape = f" for batch {batch_shape[0]} x {batch_shape[1]}" if batch_shape else ""
     return GpuMemoryError(
-        "GPU memory", f"out of memory inside a training step (plan{shape}: {plan_summary(plan)})",
+        "GPU memory", f"out of memory inside a training step (plan{shape}: {plan})",
         ["a smaller batch with accumulate_grad_batches to keep the global batch",
          "a smaller gpu_activation_gib, so that schedule='milp' sends more boundaries to 'cpu' or 'recompute'",
          "fewer keep_graph_layers",
          "a larger layer_micro_batches (each layer runs the batch in that many row slices; same gradients)",
          "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True when the step fails close to the limit (fragmentation)"],
         asked=asked, available=available)
-
-
-def plan_summary(plan: Schedule | None) -> str:
-    """A ``Schedule`` in a line: how many boundaries live in each home, and how many layers keep their graph."""
-    if plan is None:
-        return "not set"
-    slices = f", layers in {plan.micro_batches} row slices" if plan.micro_batches > 1 else ""
-    return f"{plan.counts()}, {plan.graph_layers} layers keep their graph{slices}"

@@ -44,10 +44,10 @@ from lightning_lazytrain.checkpoint import sharded as sharded_checkpoint
 from lightning_lazytrain.engine import StreamingExecutor
 from lightning_lazytrain.engine.grads.homes import STAGED_HOMES
 from lightning_lazytrain.engine.updates.paths import UpdatePath, direct_path, host_path, sharded_path
-from lightning_lazytrain.engine.updates.placement import DeviceUpdates
 from lightning_lazytrain.engine.weights.store import HostParamStore
 from lightning_lazytrain.engine.weights.topology import Topology, build_topology
 from lightning_lazytrain.optim.hybrid_adamw import defer_state_allocation
+from lightning_lazytrain.planning.update_placement import DeviceUpdates, place_updates
 
 
 class ProcessGroupStrategy(ParallelStrategy):
@@ -197,7 +197,10 @@ class ProcessGroupStrategy(ParallelStrategy):
                 )
             return sharded_path(store, queues, optimizer, timeout)
         if training and engine_can_update:
-            return direct_path(store, queues, optimizer, device_updates, timeout, gradient_home, executor.spill_dir)
+            itemsize = store.stream_dtype.itemsize
+            placement = place_updates(store.units, optimizer, device_updates, queues.device, itemsize)
+            return direct_path(store, queues, optimizer, placement, timeout, gradient_home,
+                               executor.spill_dir)
         return host_path(store, queues, executor.slot_numel, timeout)
 
     @property

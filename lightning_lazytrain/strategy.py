@@ -22,20 +22,18 @@ from typing_extensions import override
 from lightning_lazytrain.admission import AdmissionReport, admission
 from lightning_lazytrain.checkpointing import CheckpointingStrategy
 from lightning_lazytrain.engine import StreamingExecutor
-from lightning_lazytrain.engine.device import device_free_bytes, prefer_expandable_segments
+from lightning_lazytrain.engine.device import prefer_expandable_segments
 from lightning_lazytrain.engine.generation import EvalGeneration
+from lightning_lazytrain.engine.generation_plan import GenerationMode, check_generation_mode
 from lightning_lazytrain.engine.grads.homes import GradientHome, check_gradient_home
-from lightning_lazytrain.engine.updates.placement import DeviceStates, check_device_updates
-from lightning_lazytrain.faults import gpu_out_of_memory
 from lightning_lazytrain.models import adapter_for, find_hf_model
 from lightning_lazytrain.models.fused_kernels import FusedKernels, check_fused_kernels, use_fused_kernels
-from lightning_lazytrain.oom_ladder import OomLadder
-from lightning_lazytrain.planner import PlanSettings, initial_plan
+from lightning_lazytrain.planning import LinkDrift, OomLadder, RunPlan
+from lightning_lazytrain.planning.update_placement import DeviceStates, check_device_updates
 from lightning_lazytrain.precision import LazyTrainPrecision
-from lightning_lazytrain.replan import LinkDrift, MilpPlan
 from lightning_lazytrain.resume import ResumeState
 from lightning_lazytrain.schedule import Schedule
-from lightning_lazytrain.schedule.generation import GenerationMode, check_generation_mode
+from lightning_lazytrain.schedule.plan_inputs import PlanSettings
 from lightning_lazytrain.weight_averaging import install_weight_averaging_sync
 
 log = logging.getLogger(__name__)
@@ -46,10 +44,12 @@ class LazyTrainStrategy(CheckpointingStrategy):
 
     Args:
         model_attr: attribute of the LightningModule holding the HF model; found automatically when there is one.
-        schedule: ``"interval:K"`` keeps every K-th layer boundary on the device and recomputes the rest in the
-            backward (``"interval:1"``: every boundary kept, one re-forward per layer); ``"milp"`` solves the
-            activation plan (GPU / CPU / NVMe / recompute per boundary) at the first training batch, and again
-            before a larger one; a path to a ``.json`` plan runs that plan.
+        schedule: ``"auto"`` (default): ``"milp"`` on CUDA, ``"interval:1"`` on other devices (the fastest plan
+            that fits the GPU, and a fixed one elsewhere); ``"interval:K"`` keeps every K-th layer boundary on the
+            device and recomputes the rest in the backward (``"interval:1"``: every boundary kept, one re-forward
+            per layer); ``"milp"`` solves the activation plan (GPU / CPU / NVMe / recompute per boundary, kept
+            graphs) at the first training batch, and again before a larger one; a path to a ``.json`` plan runs
+            that plan.
         keep_graph_layers: the last N layers keep their whole autograd graph on the device (no re-forward).
         num_slots: device weight slots; default: what the plan needs plus ``prefetch_depth``.
         prefetch_depth: how many layers ahead weights are copied while the current one computes.
@@ -83,10 +83,10 @@ class LazyTrainStrategy(CheckpointingStrategy):
             evaluation when they fit beside the KV cache (freed before training resumes), else streams them per
             decode step for as many prompts as fit; ``"resident"`` / ``"streamed"`` force one (printed with bytes).
         oom_fallback_steps: an out-of-memory error in the first N optimizer steps re-plans one rung down (smaller
-            GPU budget, more recompute, CPU/NVMe homes, twice the layer micro-batches; ``oom_ladder.py``) and runs
-            the step again; 0 stops at the first.
-        replan_every_n_steps: with ``schedule="milp"`` on CUDA, probe the link every N steps and solve the plan
-            again when it drifted from the profile by more than 25% (``lightning_lazytrain/replan.py``); 0: never.
+            GPU budget, more recompute, CPU/NVMe homes, twice the layer micro-batches; ``planning/oom_ladder.py``)
+            and runs the step again; 0 stops at the first.
+        replan_every_n_steps: with an MILP plan on CUDA, probe the link every N steps and solve the plan
+            again when it drifted from the profile by more than 25% (``planning/replan.py``); 0: never.
         fused_kernels: ``"auto"`` (default) runs the decoder layers' RMSNorm, SwiGLU MLP and RoPE through Liger-Kernel's
             Triton kernels when on CUDA with ``liger-kernel`` installed (faster, smaller graphs; bf16 rounding differs
             from HF's by what TRL's ``use_liger_kernel`` differs); ``"liger"`` insists; ``"none"`` runs HF's own.
@@ -105,7 +105,7 @@ class LazyTrainStrategy(CheckpointingStrategy):
     def __init__(
         self,
         model_attr: str | None = None,
-        schedule: str = "interval:1",
+        schedule: str = "auto",
         keep_graph_layers: int = 0,
         num_slots: int | None = None,
         prefetch_depth: int = 2,
@@ -147,24 +147,23 @@ class LazyTrainStrategy(CheckpointingStrategy):
         self.generation: EvalGeneration | None = None
         self.executor: StreamingExecutor | None = None
         self.last_step_stats: dict[str, float] = {}
-        self.plan_settings = PlanSettings(schedule, keep_graph_layers, gpu_activation_gib, cpu_activation_gib,
-                                          nvme_activation_gib, spill_dir, max_recompute_span, solver_time_limit,
-                                          solver_mip_gap, layer_micro_batches)
+        settings = PlanSettings(schedule, keep_graph_layers, gpu_activation_gib, cpu_activation_gib,
+                                nvme_activation_gib, spill_dir, max_recompute_span, solver_time_limit, solver_mip_gap,
+                                layer_micro_batches)
         prefer_expandable_segments()  # before Lightning starts CUDA
-        self.oom_ladder = OomLadder(steps=oom_fallback_steps)
-        self.resume = ResumeState(self.oom_ladder)
+        self.run_plan = RunPlan(settings, OomLadder(steps=oom_fallback_steps), LinkDrift(every=replan_every_n_steps),
+                                num_slots)
+        self.resume = ResumeState(self.run_plan)
         self.admission_report: AdmissionReport | None = None
-        self.link_drift = LinkDrift(every=replan_every_n_steps)
-        self.milp_plan = MilpPlan(self.plan_settings, self.resume, self.link_drift, num_slots)
 
     @property
     def schedule(self) -> str:
-        return self.plan_settings.schedule
+        return self.run_plan.settings.schedule
 
     @property
     def schedule_result(self) -> Schedule | None:
-        """The solved plan the run follows (owned by ``resume``, which saves it with the checkpoint)."""
-        return self.resume.schedule_result
+        """The solved plan the run follows (the run plan's, which checkpoints carry)."""
+        return self.run_plan.solved
 
     @property
     @override
@@ -192,12 +191,12 @@ class LazyTrainStrategy(CheckpointingStrategy):
         if self.executor is None:
             adapter = adapter_for(hf_model)
             precision.convert_module(self.model)
-            plan = initial_plan(self.plan_settings, adapter.num_layers)
+            plan = self.run_plan.start(self.root_device.type, adapter.num_layers)
             pin = self.root_device.type == "cuda" if self.pin_memory is None else self.pin_memory
             self.executor = StreamingExecutor(
                 adapter, self.root_device, precision.master_dtype, precision.stream_dtype, plan,
                 num_slots=self.num_slots, prefetch_depth=self.prefetch_depth, pin_memory=pin,
-                timeout_s=self.timeout_s, spill_dir=self.plan_settings.spill_dir, store_factory=self.store_factory,
+                timeout_s=self.timeout_s, spill_dir=self.run_plan.settings.spill_dir, store_factory=self.store_factory,
                 fused_kernels=use_fused_kernels(self.fused_kernels, self.root_device.type),
                 loss_kernel=False if self.fused_kernels == "none" else None,
             )
@@ -240,11 +239,9 @@ class LazyTrainStrategy(CheckpointingStrategy):
         self.on_validation_end()
         self.resume.before_batch()
         if self.executor is not None:
-            self.oom_ladder.restore(self.executor, self.plan_settings, self.num_slots)
-        if self.plan_settings.kind() == "milp" and self.executor is not None:
             trainer = self.lightning_module.trainer
-            self.milp_plan.before_batch(batch, self.executor, trainer.global_step,
-                                        trainer.log_dir or trainer.default_root_dir)
+            self.run_plan.before_batch(batch, self.executor, trainer.global_step,
+                                       trainer.log_dir or trainer.default_root_dir)
 
     @override
     def model_to_device(self) -> None:
@@ -262,39 +259,18 @@ class LazyTrainStrategy(CheckpointingStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        while True:
-            try:
-                result = super().optimizer_step(optimizer, closure, model, **kwargs)
-                break
-            except torch.OutOfMemoryError as exc:
-                trainer = self.lightning_module.trainer
-                if not (self.replans_alone and self.oom_ladder.applies(trainer.global_step,
-                                                                       trainer.accumulate_grad_batches)):
-                    raise gpu_out_of_memory(exc, self._free(), self.resume.plan_shape, self.executor.plan) from exc
-                failure = exc.with_traceback(None)  # its frames hold the failed step's tensors
-            # outside the except block the failed step's frames are gone: free the GPU memory they held before the
-            # next rung is planned, or its budget would be what the failed step left free
-            self.executor.discard_step()
-            if self.root_device.type == "cuda":
-                torch.cuda.empty_cache()
-            plan = self.oom_ladder.plan_after_oom(self.executor, self.plan_settings, self.resume.plan_shape, failure)
-            if plan is None:
-                raise gpu_out_of_memory(failure, self._free(), self.resume.plan_shape, self.executor.plan) from failure
-            self.executor.set_plan(plan, self.num_slots)
-            if self.resume.plan_shape is not None:  # an MILP run: checkpoints save, and resume with, the plan that fit
-                self.resume.schedule_result = plan
-        if self.executor is not None:
-            self.executor.after_optimizer_step()
-            stats = {**self.executor.take_stats(), "skipped_steps": float(self.resume.skipped_steps)}
-            if self.resume.schedule_result is not None:
-                plan = self.resume.schedule_result
-                stats["predicted_exposed_s"] = float(plan.predicted_exposed_seconds)
-                stats["predicted_stall_s"] = float(plan.predicted_stall_seconds)
-            self.last_step_stats = stats
+        assert self.executor is not None
+        trainer = self.lightning_module.trainer
+        result = self.run_plan.step_with_fallback(
+            lambda: super(LazyTrainStrategy, self).optimizer_step(optimizer, closure, model, **kwargs),
+            self.executor, trainer.global_step, trainer.accumulate_grad_batches, self.replans_alone)
+        self.executor.after_optimizer_step()
+        stats = {**self.executor.take_stats(), "skipped_steps": float(self.resume.skipped_steps)}
+        if (plan := self.run_plan.solved) is not None:
+            stats["predicted_exposed_s"] = float(plan.predicted_exposed_seconds)
+            stats["predicted_stall_s"] = float(plan.predicted_stall_seconds)
+        self.last_step_stats = stats
         return result
-
-    def _free(self) -> int | None:
-        return device_free_bytes(self.root_device) if self.root_device.type == "cuda" else None
 
     @override
     def teardown(self) -> None:

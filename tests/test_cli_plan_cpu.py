@@ -19,7 +19,7 @@ def test_the_demo_is_planned_for_the_cpu(tmp_path):
     assert device["name"] == "cpu" and device["bf16_tflops"] == 0.0  # no peak: no MFU is claimed
     assert device["source"].startswith("trainer.accelerator=cpu: planned for the CPU device, as fit runs on it")
     assert device["memory_bytes"] == answer["host"]["available_bytes"] == 8 << 30  # the device's memory is host RAM
-    assert asked["fits"] and asked["schedule"]["tiers"] == ["gpu"] * 3
+    assert asked["fits"] and asked["schedule"]["homes"] == ["gpu"] * 3
     assert asked["tiers"]["host"]["pieces"]["master weights"] == 4 * DEMO_PARAMS  # fp32 masters (32-true)
     # the head's time is its FLOPs at 0.58 of the matmul rate measured here (printed to 4 digits)
     gflops = float(re.search(r"0\.58 of the ([\d.]+) GFLOP/s a 1024\^2 fp32 matmul", asked["scaling"]).group(1))

@@ -11,7 +11,8 @@ from helpers import batches, loader, rel_diff, tiny_model
 from test_engine_updates import HybridModule, fit
 
 from lightning_lazytrain import LazyTrainStrategy
-from lightning_lazytrain.engine.updates.placement import UnitTraffic, homes_that_fit
+from lightning_lazytrain.engine.updates.traffic import UnitTraffic
+from lightning_lazytrain.planning.update_placement import homes_that_fit
 
 
 class CopiesIn(pl.Callback):
@@ -19,7 +20,7 @@ class CopiesIn(pl.Callback):
 
     def on_train_end(self, trainer, module):
         trainer.strategy.executor.wait_updates()  # the last step's updates run behind the loop
-        path = trainer.strategy.executor.updates.device_path
+        path = trainer.strategy.executor.updates.device_queue
         self.copies, self.units, self.resident = path.copies_in, len(path.units), path.resident
 
 
@@ -211,19 +212,19 @@ def test_a_callbacks_own_load_state_dict_reaches_what_streams(share):
 def test_a_plan_short_of_device_memory_names_what_the_device_share_holds(monkeypatch, states):
     """The GPU's share of the update takes device memory at setup (homes, or staging buffers) before the plan is
     solved: when the plan then does not fit, the error says how much and which setting gives it back."""
-    from lightning_lazytrain import planner
     from lightning_lazytrain.engine.updates.device import IN_FLIGHT, staging_bytes
+    from lightning_lazytrain.planning import solve
     from lightning_lazytrain.schedule import InfeasibleScheduleError
 
     seen = []
 
     def tiny_total(executor):
-        device = executor.path.updates.device_path
+        device = executor.path.updates.device_queue
         sizes = [staging_bytes(u, device.optimizer) for u in device.units]
         seen.append((executor.device_update_held_bytes, executor.device_update_reserve_bytes, sizes))
         return 1 << 16
 
-    monkeypatch.setattr(planner, "gpu_total_bytes", tiny_total)
+    monkeypatch.setattr(solve, "device_plan_bytes", tiny_total)
     strategy = LazyTrainStrategy(schedule="milp", device_update_share=0.5, device_update_states=states)
     with pytest.raises(InfeasibleScheduleError, match="device_update_states='staged'") as err:
         fit(HybridModule(tiny_model("qwen2")), batches(1), strategy, max_steps=1)
@@ -233,10 +234,10 @@ def test_a_plan_short_of_device_memory_names_what_the_device_share_holds(monkeyp
 
 
 def test_a_plan_short_of_device_memory_without_a_device_share_says_nothing_of_it(monkeypatch):
-    from lightning_lazytrain import planner
+    from lightning_lazytrain.planning import solve
     from lightning_lazytrain.schedule import InfeasibleScheduleError
 
-    monkeypatch.setattr(planner, "gpu_total_bytes", lambda executor: 1 << 16)
+    monkeypatch.setattr(solve, "device_plan_bytes", lambda executor: 1 << 16)
     with pytest.raises(InfeasibleScheduleError) as err:
         fit(HybridModule(tiny_model("qwen2")), batches(1), LazyTrainStrategy(schedule="milp"), max_steps=1)
     assert "GPU memory short" in str(err.value) and "device_update" not in str(err.value)
@@ -248,11 +249,11 @@ def test_boundaries_short_of_the_default_cpu_budget_name_cpu_activation_gib(monk
     CPU budget came from and which setting raises it, and says nothing of it when the user set it."""
     from types import SimpleNamespace
 
-    from lightning_lazytrain import planner
+    from lightning_lazytrain.planning import solve
     from lightning_lazytrain.schedule import InfeasibleScheduleError
 
     available = 4 << 10
-    monkeypatch.setattr(planner.psutil, "virtual_memory", lambda: SimpleNamespace(available=available))
+    monkeypatch.setattr(solve.psutil, "virtual_memory", lambda: SimpleNamespace(available=available))
     boundary = 2 * 16 * 64 * 4  # batches(1): 2 rows x 16 tokens x hidden 64, fp32 (32-true)
     strategy = LazyTrainStrategy(schedule="milp", max_recompute_span=1, gpu_activation_gib=2.5 * boundary / 2**30,
                                  cpu_activation_gib=cpu_gib)

@@ -109,7 +109,7 @@ def test_the_engine_skips_it_in_each_rerun_only(tmp_path, monkeypatch):
                         lambda *a: calls.append(a[0].shape) or real(*a))
     plan = tmp_path / "plan.json"
     tiers = ["gpu", "recompute", "gpu", "gpu", "gpu"]
-    plan.write_text(Schedule(tiers=tiers, keep_graph=[False, False, True, False]).to_json())
+    plan.write_text(Schedule(homes=tiers, keep_graph=[False, False, True, False]).to_json())
     model, data = tiny_model("qwen2"), batches(3)
     plain, _ = train(model, data)
     lt, _ = train(model, data, strategy=LazyTrainStrategy(schedule=str(plan)))

@@ -14,7 +14,7 @@ import lightning_lazytrain  # noqa: F401  (registers the strategy name)
 from lightning_lazytrain import LazyTrainStrategy
 from lightning_lazytrain.engine import Schedule
 from lightning_lazytrain.engine.micro_batches import SummedGrads, row_slices, split_call
-from lightning_lazytrain.planner import PlanSettings
+from lightning_lazytrain.schedule.plan_inputs import PlanSettings
 
 
 def test_row_slices_cover_the_batch_evenly_and_never_empty():
@@ -116,14 +116,14 @@ def test_dropout_masks_are_replayed_per_micro_batch():
 
 
 def test_plan_and_settings_carry_micro_batches(tmp_path):
-    from lightning_lazytrain.planner import initial_plan
+    from lightning_lazytrain.planning.solve import initial_plan
 
     plan = Schedule.every(4, 2)
     assert plan.micro_batches == 1
-    again = Schedule.from_json(Schedule(plan.tiers, micro_batches=4).to_json())
+    again = Schedule.from_json(Schedule(plan.homes, micro_batches=4).to_json())
     assert again.micro_batches == 4 and not again.same_placement(plan)
     with pytest.raises(ValueError, match="micro_batches must be an integer >= 1"):
-        Schedule(plan.tiers, micro_batches=0)
+        Schedule(plan.homes, micro_batches=0)
     for wrong in (0, "fewest", True):
         with pytest.raises(ValueError, match=f"layer_micro_batches={wrong!r}.*or 'auto'"):
             PlanSettings(layer_micro_batches=wrong)

@@ -16,7 +16,7 @@ from lightning_lazytrain.schedule.layer_memory import saved_tensor_bytes
 from lightning_lazytrain.schedule.profile import profile_model
 from lightning_lazytrain.schedule.timing import rotary_inputs
 
-PLAN = Schedule(tiers=["gpu"] * 5, keep_graph=[True, True, True, False], mlp_recompute=[True, False, True, False])
+PLAN = Schedule(homes=["gpu"] * 5, keep_graph=[True, True, True, False], mlp_recompute=[True, False, True, False])
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3-moe"])
@@ -24,7 +24,7 @@ def test_mlp_recompute_trains_like_plain_and_all_kept(tmp_path, family):
     model, data = tiny_model(family), batches(3, padded=True)
     plain, _ = train(model, data)
     kept = tmp_path / "kept.json"
-    kept.write_text(Schedule(tiers=["gpu"] * 5, keep_graph=PLAN.keep_graph).to_json())
+    kept.write_text(Schedule(homes=["gpu"] * 5, keep_graph=PLAN.keep_graph).to_json())
     ref, _ = train(model, data, strategy=LazyTrainStrategy(schedule=str(kept)))
     partial = tmp_path / "partial.json"
     partial.write_text(PLAN.to_json())
@@ -71,7 +71,7 @@ def test_engine_saves_less_by_the_mlp_intermediates_and_grads_match(tmp_path, mi
         path = tmp_path / f"{name}.json"
         path.write_text(
             Schedule(
-                tiers=PLAN.tiers, keep_graph=PLAN.keep_graph, mlp_recompute=mlp, micro_batches=micro_batches
+                homes=PLAN.homes, keep_graph=PLAN.keep_graph, mlp_recompute=mlp, micro_batches=micro_batches
             ).to_json()
         )
         recorder = GradRecorder()
@@ -158,12 +158,12 @@ def test_context_restores_an_existing_instance_forward():
 
 def test_plan_validates_and_round_trips_mlp_recompute():
     assert Schedule.from_json(PLAN.to_json()) == PLAN
-    assert Schedule(tiers=["gpu"] * 3).mlp_recompute == [False, False]
-    assert not PLAN.same_placement(Schedule(tiers=PLAN.tiers, keep_graph=PLAN.keep_graph))
+    assert Schedule(homes=["gpu"] * 3).mlp_recompute == [False, False]
+    assert not PLAN.same_placement(Schedule(homes=PLAN.homes, keep_graph=PLAN.keep_graph))
     with pytest.raises(ValueError, match=r"mlp_recompute layers \[1\] must also keep their graph"):
-        Schedule(tiers=["gpu"] * 3, keep_graph=[True, False], mlp_recompute=[False, True])
+        Schedule(homes=["gpu"] * 3, keep_graph=[True, False], mlp_recompute=[False, True])
     with pytest.raises(ValueError, match=r"mlp_recompute must have one entry per layer \(2\)"):
-        Schedule(tiers=["gpu"] * 3, keep_graph=[True, True], mlp_recompute=[True])
+        Schedule(homes=["gpu"] * 3, keep_graph=[True, True], mlp_recompute=[True])
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3-moe", "qwen3.5"])

@@ -17,7 +17,7 @@ def test_plan_file_keep_graph_pattern_trains_like_all_gpu(tmp_path):
     plan = tmp_path / "plan.json"
     # layers 0 and 2 keep their graph, 1 and 3 re-run (3 inside a recompute-free block whose input is on the CPU)
     plan.write_text(
-        Schedule(tiers=["gpu", "gpu", "gpu", "cpu", "gpu"], keep_graph=[True, False, True, False]).to_json()
+        Schedule(homes=["gpu", "gpu", "gpu", "cpu", "gpu"], keep_graph=[True, False, True, False]).to_json()
     )
     lt, trainer = train(model, data, strategy=LazyTrainStrategy(schedule=str(plan)))
     assert rel_diff(lt.model, ref.model) <= 1e-6
@@ -52,7 +52,7 @@ def test_milp_refuses_keep_graph_layers_whose_graphs_exceed_the_budget(tmp_path)
 
 def test_keep_graph_layers_with_a_plan_file_is_refused(tmp_path):
     plan = tmp_path / "plan.json"
-    plan.write_text(Schedule(tiers=["gpu"] * 5).to_json())
+    plan.write_text(Schedule(homes=["gpu"] * 5).to_json())
     with pytest.raises(ValueError, match="keep_graph_layers=2 does not apply to the plan file"):
         train(
             tiny_model("qwen2"),
@@ -86,7 +86,7 @@ def test_a_reload_below_kept_graphs_starts_before_their_backward(tmp_path, monke
     ref, _ = train(model, data, strategy=LazyTrainStrategy(schedule="interval:1"), max_steps=2)
     plan = tmp_path / "plan.json"
     homes, graphs = ["gpu", "cpu", "gpu", "gpu", "gpu"], [False, False, True, True]
-    plan.write_text(Schedule(tiers=homes, keep_graph=graphs).to_json())
+    plan.write_text(Schedule(homes=homes, keep_graph=graphs).to_json())
     events.clear()
     lt, _ = train(model, data, strategy=LazyTrainStrategy(schedule=str(plan)), max_steps=2)
     assert rel_diff(lt.model, ref.model) <= 1e-6

@@ -199,7 +199,8 @@ def test_busy_seconds_count_overlapping_jobs_once():
 
 
 def test_split_units_balances_finish_times_in_forward_order():
-    from lightning_lazytrain.engine.updates.placement import UnitTraffic, split_by_share, split_units
+    from lightning_lazytrain.engine.updates.traffic import UnitTraffic
+    from lightning_lazytrain.planning.update_placement import split_by_share, split_units
 
     units = [UnitTraffic(numel=100, h2d_bytes=600, d2h_bytes=800, grad_bytes=200) for _ in range(8)]
     # CPU 100 params/s (1 s a unit), device link 800 B/s (1 s a unit): alternate, the first to the CPU (ties)
@@ -213,23 +214,25 @@ def test_split_units_balances_finish_times_in_forward_order():
 def test_plan_share_uses_the_milp_split(monkeypatch):
     """``device_update_share="plan"``: the device worker gets exactly the units of the MILP's split (a CPU rate,
     fixed here near the link's rate, puts some there, not all), and the numbers stay those of a plain run."""
-    from lightning_lazytrain.engine.updates import paths, placement
+    from lightning_lazytrain import parallel
+    from lightning_lazytrain.planning import update_placement as placement
     from lightning_lazytrain.schedule import milp_updates
 
-    seen, solve, assign = {}, milp_updates.solve_updates, paths.assign_device_updates
+    seen, solve, place = {}, milp_updates.solve_updates, parallel.place_updates
 
     def solve_spy(problem, **kw):
         seen["problem"], seen["split"] = problem, solve(problem, **kw)
         return seen["split"]
 
-    def assign_spy(*args):
-        seen["flags"], reserve, resident = assign(*args)
-        return seen["flags"], reserve, resident
+    def place_spy(*args):
+        placed = place(*args)
+        seen["flags"] = placed.on_device
+        return placed
 
     monkeypatch.setattr(placement, "measure_cpu_update_rate", lambda optimizer: 5e9)  # params/s, H200 link: 55 GB/s
     monkeypatch.setattr(placement, "PLANNED_DEVICE_TYPES", ("cuda", "cpu"))  # the MILP's split on the CPU accelerator
-    monkeypatch.setattr(milp_updates, "solve_updates", solve_spy)
-    monkeypatch.setattr(paths, "assign_device_updates", assign_spy)
+    monkeypatch.setattr(placement, "solve_updates", solve_spy)
+    monkeypatch.setattr(parallel, "place_updates", place_spy)
     model, data = tiny_model("qwen2"), batches(3)
     ref, _ = fit(HybridModule(copy.deepcopy(model)), data, gradient_clip_val=0.05)
     strategy, busy = LazyTrainStrategy(device_update_share="plan"), BusySeconds()
@@ -245,7 +248,7 @@ def test_plan_share_uses_the_milp_split(monkeypatch):
 def test_the_default_share_places_no_update_on_the_cpu_accelerator(monkeypatch):
     """The default ``device_update_share="plan"`` asks the MILP on CUDA only: on the CPU accelerator no unit goes to
     the device worker, no scratch update is timed, and the numbers are those of a plain run."""
-    from lightning_lazytrain.engine.updates import placement
+    from lightning_lazytrain.planning import update_placement as placement
 
     def no_timing(optimizer):
         raise AssertionError("the CPU update rate was timed for a split on the CPU accelerator")

@@ -39,7 +39,7 @@ def tiny_fs(tmp_path):
 
 def _plan(tmp_path):
     path = tmp_path / "plan.json"
-    path.write_text(Schedule(tiers=TIERS, objective=0.0, predicted_exposed_seconds=0.0, status="given").to_json())
+    path.write_text(Schedule(homes=TIERS, objective=0.0, predicted_exposed_seconds=0.0, status="given").to_json())
     return str(path)
 
 

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize(
-    "tiers",
+    "homes",
     [
         ["gpu", "cpu", "nvme", "recompute", "gpu"],
         ["gpu", "nvme", "nvme", "cpu", "gpu"],
@@ -32,19 +32,19 @@ pytestmark = pytest.mark.gpu
     ],
     ids=["mixed", "spill-heavy", "all-cpu"],
 )
-def test_gpu_cpu_and_nvme_homes_match_all_gpu(tmp_path, tiers):
+def test_gpu_cpu_and_nvme_homes_match_all_gpu(tmp_path, homes):
     model, data = tiny_model("qwen2"), batches(3, padded=True)
     spill = tmp_path / "spill"
     spill.mkdir()
     ref, _ = train(model, data, accelerator="gpu", strategy=LazyTrainStrategy(schedule="interval:1"))
     plan = tmp_path / "plan.json"
-    plan.write_text(Schedule(tiers=tiers).to_json())
+    plan.write_text(Schedule(homes=homes).to_json())
     lt, trainer = train(
         model, data, accelerator="gpu", strategy=LazyTrainStrategy(schedule=str(plan), spill_dir=str(spill))
     )
     stats = trainer.strategy.last_step_stats
     assert stats["act_offload_bytes"] > 0
-    if "nvme" in tiers:
+    if "nvme" in homes:
         assert stats["act_nvme_write_bytes"] > 0 and stats["act_nvme_read_bytes"] > 0
     # the same kernels run in both (fp32, every layer re-run once): only the boundaries' trips differ
     assert rel_diff(lt.model.cpu(), ref.model.cpu()) <= 1e-6

@@ -17,8 +17,8 @@ PARTIAL = [True, False, True, False]
 
 def _plans(tmp_path):
     kept, partial = tmp_path / "kept.json", tmp_path / "partial.json"
-    kept.write_text(Schedule(tiers=["gpu"] * 5, keep_graph=KEEP).to_json())
-    partial.write_text(Schedule(tiers=["gpu"] * 5, keep_graph=KEEP, mlp_recompute=PARTIAL).to_json())
+    kept.write_text(Schedule(homes=["gpu"] * 5, keep_graph=KEEP).to_json())
+    partial.write_text(Schedule(homes=["gpu"] * 5, keep_graph=KEEP, mlp_recompute=PARTIAL).to_json())
     return LazyTrainStrategy(schedule=str(kept)), LazyTrainStrategy(schedule=str(partial))
 
 

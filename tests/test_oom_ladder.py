@@ -13,7 +13,7 @@ from test_engine_updates import HybridModule
 import lightning_lazytrain  # noqa: F401
 from lightning_lazytrain import LazyTrainStrategy
 from lightning_lazytrain.faults import GpuMemoryError
-from lightning_lazytrain.oom_ladder import RUNGS
+from lightning_lazytrain.planning import RUNGS
 
 
 def _failing(model, failures: int) -> dict:
@@ -36,25 +36,25 @@ def test_four_ooms_walk_the_rungs_and_training_matches_plain(caplog, tmp_path, m
     failing = tiny_model("qwen2")
     left = _failing(failing, 4)
     strategy = LazyTrainStrategy(schedule="interval:1", keep_graph_layers=2, spill_dir=str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger="lightning_lazytrain.oom_ladder"):
+    with caplog.at_level(logging.WARNING, logger="lightning_lazytrain.planning"):
         lt, trainer = train(failing, data, strategy=strategy, module_cls=module_cls)
-    assert left["n"] == 0 and strategy.oom_ladder.taken == list(RUNGS)
+    assert left["n"] == 0 and strategy.run_plan.ladder.taken == list(RUNGS)
     rungs = [r.getMessage() for r in caplog.records if "fallback rung" in r.getMessage()]
     assert [m.split("(")[1].split(")")[0] for m in rungs] == list(RUNGS), rungs
     assert all(m.endswith("it failed at: CUDA out of memory. Tried to allocate 2.00 GiB") for m in rungs), rungs
     assert strategy.schedule_result is None  # an interval plan: nothing MILP-planned for checkpoints to carry
-    assert strategy.executor is None and strategy.plan_settings.layer_micro_batches == 2  # batch 2: one row a slice
+    assert strategy.executor is None and strategy.run_plan.settings.layer_micro_batches == 2  # batch 2: one row a slice
     assert rel_diff(lt.model, ref.model) <= 1e-6
     assert trainer.global_step == 3
 
 
 def test_last_rung_plan_is_the_expected_one():
     from lightning_lazytrain.engine import Schedule
-    from lightning_lazytrain.oom_ladder import OomLadder
+    from lightning_lazytrain.planning import OomLadder
 
     ladder, plan, seen = OomLadder(), Schedule.every(4, 1, 2), []
     while (plan := ladder.next_plan(plan, "/spill", None) or None) is not None:
-        seen.append((tuple(plan.tiers), tuple(plan.keep_graph)))
+        seen.append((tuple(plan.homes), tuple(plan.keep_graph)))
     assert seen == [
         (("gpu",) * 5, (False,) * 4),
         (("gpu", "recompute", "gpu", "recompute", "gpu"), (False,) * 4),
@@ -64,13 +64,13 @@ def test_last_rung_plan_is_the_expected_one():
 
 def test_the_micro_batch_rung_doubles_until_a_slice_is_one_row():
     from lightning_lazytrain.engine import Schedule
-    from lightning_lazytrain.oom_ladder import OomLadder
+    from lightning_lazytrain.planning import OomLadder
 
     ladder, plan = OomLadder(rung=3), Schedule(["gpu", "cpu", "gpu"], keep_graph=[False, True])
     seen = []
     while (plan := ladder.next_plan(plan, None, None, rows=6)) is not None:
         seen.append(plan.micro_batches)
-        assert plan.tiers == ["gpu", "cpu", "gpu"] and plan.keep_graph == [False, True]
+        assert plan.homes == ["gpu", "cpu", "gpu"] and plan.keep_graph == [False, True]
     assert seen == [2, 4, 6] and ladder.taken == [RUNGS[3]] * 3
     assert not ladder.applies(0, 1)
 
@@ -84,7 +84,7 @@ def test_ooms_past_the_last_rung_stop_with_todays_message():
     assert "a smaller batch with accumulate_grad_batches" in str(err.value)
     assert "layers in 2 row slices" in str(err.value)  # the plan that ran out last: one row a slice
     # no graphs to drop: rung 1 skipped; batch 2: one micro-batch rung, then a slice is one row
-    assert strategy.oom_ladder.taken == ["more recompute", "CPU/NVMe homes", "smaller layer micro-batches"]
+    assert strategy.run_plan.ladder.taken == ["more recompute", "CPU/NVMe homes", "smaller layer micro-batches"]
 
 
 def test_no_fallback_after_the_first_steps():
@@ -93,7 +93,7 @@ def test_no_fallback_after_the_first_steps():
     strategy = LazyTrainStrategy(schedule="interval:1", oom_fallback_steps=0)
     with pytest.raises(GpuMemoryError):
         train(model, batches(2), strategy=strategy)
-    assert strategy.oom_ladder.taken == []
+    assert strategy.run_plan.ladder.taken == []
 
 
 def test_the_rung_is_planned_after_the_failed_step_has_let_go_of_its_tensors(monkeypatch):
@@ -101,7 +101,7 @@ def test_the_rung_is_planned_after_the_failed_step_has_let_go_of_its_tensors(mon
     be gone (on the H100 a re-plan read inside the except block saw 4.9 of 79 GiB free and refused every plan)."""
     import weakref
 
-    import lightning_lazytrain.planner as planner
+    import lightning_lazytrain.planning.run_plan as run_plan
 
     model, alive_at_budget = tiny_model("qwen2"), []
     left = {"n": 1}
@@ -113,19 +113,19 @@ def test_the_rung_is_planned_after_the_failed_step_has_let_go_of_its_tensors(mon
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     model.model.layers[1].mlp.register_forward_pre_hook(hook)
-    budgets = planner.budgets
+    budgets = run_plan.budgets
 
-    def spy(settings, executor):
+    def spy(inputs):
         if "input" in left:
             alive_at_budget.append(left["input"]() is not None)
-        return budgets(settings, executor)
+        return budgets(inputs)
 
-    monkeypatch.setattr(planner, "budgets", spy)
+    monkeypatch.setattr(run_plan, "budgets", spy)
     strategy = LazyTrainStrategy(schedule="milp")
-    rung_plans, next_plan = [], strategy.oom_ladder.next_plan
-    strategy.oom_ladder.next_plan = lambda *a: rung_plans.append(next_plan(*a)) or rung_plans[-1]
+    rung_plans, next_plan = [], strategy.run_plan.ladder.next_plan
+    strategy.run_plan.ladder.next_plan = lambda *a: rung_plans.append(next_plan(*a)) or rung_plans[-1]
     train(model, batches(2), strategy=strategy)
-    assert left["n"] == 0 and strategy.oom_ladder.taken  # the step failed once and a rung was taken
+    assert left["n"] == 0 and strategy.run_plan.ladder.taken  # the step failed once and a rung was taken
     assert alive_at_budget and not any(alive_at_budget), "a rung was budgeted while the failed step's tensors lived"
     # checkpoints save the plan that ran after the fallback, not the one that ran out of memory
     assert rung_plans and strategy.schedule_result is rung_plans[-1]
@@ -136,16 +136,15 @@ def test_the_device_total_after_a_discarded_step_counts_no_slot_pool(monkeypatch
     is then what is free (the pool's memory is in it), not an error for want of a pool to add back."""
     from types import SimpleNamespace
 
-    from lightning_lazytrain import planner
-    from lightning_lazytrain.schedule.plan_problem import plan_total_bytes
+    from lightning_lazytrain.planning import solve
 
-    monkeypatch.setattr(planner, "device_free_bytes", lambda device: 10_000)
+    monkeypatch.setattr(solve, "device_free_bytes", lambda device: 10_000)
     store = SimpleNamespace(stream_dtype=torch.bfloat16)
     executor = SimpleNamespace(device=torch.device("cuda"), slot_numel=100, store=store,
                                device_update_reserve_bytes=500, pool=SimpleNamespace(slots=[object()] * 3))
-    assert planner.gpu_total_bytes(executor) == plan_total_bytes(10_000 + 3 * 200 - 500)
+    assert solve.device_plan_bytes(executor) == 10_000 + 3 * 200 - 500
     executor.pool = None
-    assert planner.gpu_total_bytes(executor) == plan_total_bytes(10_000 - 500)
+    assert solve.device_plan_bytes(executor) == 10_000 - 500
 
 
 def _whole_batch_fails(model) -> None:
@@ -178,26 +177,34 @@ def test_a_run_resumed_past_the_ladders_steps_starts_on_the_plan_that_fit(tmp_pa
         return module, trainer, strategy
 
     _, trainer, first = fit(2)
-    assert first.oom_ladder.taken[-1] == "smaller layer micro-batches" and first.plan_settings.layer_micro_batches == 2
+    assert first.run_plan.ladder.taken[-1] == "smaller layer micro-batches"
+    assert first.run_plan.settings.layer_micro_batches == 2
     trainer.save_checkpoint(tmp_path / "step2.ckpt")
     resumed, trainer, strategy = fit(4, str(tmp_path / "step2.ckpt"))
-    assert trainer.global_step == 4 and strategy.plan_settings.layer_micro_batches == 2
-    assert strategy.oom_ladder.taken == first.oom_ladder.taken
+    assert trainer.global_step == 4 and strategy.run_plan.settings.layer_micro_batches == 2
+    assert strategy.run_plan.ladder.taken == first.run_plan.ladder.taken
     assert rel_diff(resumed.model, ref.model) <= 1e-6
 
 
 def test_a_changed_schedule_is_not_overridden_by_the_saved_ladder(tmp_path, caplog):
     from lightning_lazytrain.engine import Schedule
-    from lightning_lazytrain.oom_ladder import OomLadder
-    from lightning_lazytrain.planner import PlanSettings
+    from lightning_lazytrain.planning import LinkDrift, OomLadder, RunPlan
+    from lightning_lazytrain.schedule.plan_inputs import PlanSettings
 
-    saving = OomLadder(rung=4, taken=[RUNGS[3]], plan=Schedule.every(2, 1, 0),
-                       settings_after={"schedule": "interval:1", "gpu_activation_gib": None, "layer_micro_batches": 2})
-    saving.plan.micro_batches = 2
-    loading, settings = OomLadder(), PlanSettings("interval:2")
-    executor = SimpleNamespace(plan=Schedule.every(2, 2, 0))
+    def run_plan(schedule: str) -> RunPlan:
+        plan = RunPlan(PlanSettings(schedule), OomLadder(), LinkDrift(), None)
+        plan.start("cpu", 2)
+        return plan
+
+    saving = run_plan("interval:1")
+    saving.ladder = OomLadder(rung=4, taken=[RUNGS[3]], plan=Schedule.every(2, 1, 0))
+    saving.ladder.plan.micro_batches = 2
+    saving.settings = PlanSettings("interval:1", layer_micro_batches=2)
+    loading = run_plan("interval:2")
+    executor = SimpleNamespace(plan=loading.schedule)
     loading.load_state_dict(saving.state_dict())
-    with caplog.at_level(logging.WARNING, logger="lightning_lazytrain.oom_ladder"):
-        loading.restore(executor, settings, None)
-    assert settings.layer_micro_batches == "auto" and loading.taken == [] and executor.plan.micro_batches == 1
+    with caplog.at_level(logging.WARNING, logger="lightning_lazytrain.planning"):
+        loading.before_batch(None, executor, 0, str(tmp_path))
+    assert loading.settings.layer_micro_batches == "auto" and loading.ladder.taken == []
+    assert executor.plan.micro_batches == 1 and loading.schedule.homes == Schedule.every(2, 2, 0).homes
     assert "this run has schedule='interval:2'" in caplog.text

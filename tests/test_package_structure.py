@@ -1,5 +1,7 @@
 """The package's import graph: every module imports on its own, no two modules import each other (directly or
-round a loop, type-only imports counted: they are coupling too), and the library never imports the application."""
+round a loop, type-only imports counted: they are coupling too), no two rooms (the package's subpackages and
+top-level modules) either, and the library never imports the application; no source or test file is over
+``MAX_LINES`` lines."""
 
 from __future__ import annotations
 
@@ -13,16 +15,17 @@ import pytest
 import lightning_lazytrain
 
 ROOT = pathlib.Path(lightning_lazytrain.__file__).parent
+TESTS = pathlib.Path(__file__).parent
+MAX_LINES = 300
 LIBRARY = (
     "strategy",
     "precision",
     "parallel",
     "checkpointing",
     "resume",
-    "replan",
-    "oom_ladder",
+    "planning",
     "admission",
-    "planner",
+    "tier_report",
     "faults",
     "engine",
     "schedule",
@@ -104,6 +107,49 @@ def test_no_import_cycle_inside_the_package():
     graph = {name: _imports(name, path, modules) for name, path in modules.items()}
     assert graph["lightning_lazytrain.engine.executor"] >= {"lightning_lazytrain.engine.stack"}
     assert _cycles(graph) == []
+
+
+def _room(module: str) -> str:
+    """``lightning_lazytrain.engine.updates.cpu`` -> ``engine``; a top-level module is its own room."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _room_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    rooms: dict[str, set[str]] = {}
+    for module, imported in graph.items():
+        rooms.setdefault(_room(module), set()).update(_room(m) for m in imported)
+    return {room: imported - {room} for room, imported in rooms.items()}
+
+
+def test_the_room_graph_finds_a_cycle_between_packages():
+    graph = {"p.engine.a": {"p.schedule.b"}, "p.schedule.b": set(), "p.schedule.c": {"p.engine.d"}, "p.engine.d": set()}
+    assert _cycles(_room_graph(graph)) == [["engine", "schedule"]]
+    assert _cycles(_room_graph({"p.engine.a": {"p.schedule.b"}, "p.schedule.b": set()})) == []
+
+
+def test_no_import_cycle_between_the_rooms():
+    """A room may import a module of another only where that one imports nothing of it back, at any depth: the
+    engine runs plans and imports nothing of the planner; the planner reads the engine's figures."""
+    modules = _modules()
+    rooms = _room_graph({name: _imports(name, path, modules) for name, path in modules.items()})
+    assert "schedule" in rooms["planning"] and "engine" in rooms["schedule"]
+    assert "schedule" not in rooms["engine"] and "planning" not in rooms["engine"]
+    assert _cycles(rooms) == []
+
+
+def _long_files(paths: list[pathlib.Path]) -> dict[str, int]:
+    lengths = {str(p): len(p.read_text().splitlines()) for p in paths}
+    return {p: n for p, n in lengths.items() if n > MAX_LINES}
+
+
+def test_no_file_is_over_the_line_limit(tmp_path):
+    long = tmp_path / "long.py"
+    long.write_text("x = 1\n" * (MAX_LINES + 1))
+    assert _long_files([long]) == {str(long): MAX_LINES + 1}
+    files = [*ROOT.rglob("*.py"), *TESTS.rglob("*.py")]
+    assert len(files) > 200  # the package and the tests
+    assert _long_files(files) == {}
 
 
 # modules that need a package only CUDA builds of torch bring; without it, the import must fail for that reason alone

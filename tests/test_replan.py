@@ -22,7 +22,7 @@ def _strategy(probe) -> LazyTrainStrategy:
         solver_time_limit=5.0,
         replan_every_n_steps=1,
     )
-    strategy.link_drift.probe = probe
+    strategy.run_plan.link_drift.probe = probe
     return strategy
 
 
@@ -33,45 +33,45 @@ def test_slow_link_replans_at_a_step_boundary(tmp_path, caplog):
     first = {}
 
     def probe_after_first_plan():
-        first.setdefault("tiers", list(strategy.schedule_result.tiers))
+        first.setdefault("homes", list(strategy.schedule_result.homes))
         return 1e6, 1e6, 2e6  # 1 MB/s: another process owns the link
 
-    strategy.link_drift.probe = probe_after_first_plan
+    strategy.run_plan.link_drift.probe = probe_after_first_plan
     with caplog.at_level(logging.WARNING):
         lt, _ = train(model, data, strategy=strategy, default_root_dir=str(tmp_path))
-    assert [e["step"] for e in strategy.link_drift.events] == [1]  # step 2 probes the same slow link: no drift
+    assert [e["step"] for e in strategy.run_plan.link_drift.events] == [1]  # step 2 probes the same slow link: no drift
     assert any("re-planned at step 1" in r.getMessage() for r in caplog.records)
-    assert "cpu" in first["tiers"] and "cpu" not in strategy.schedule_result.tiers
-    assert strategy.schedule_result.profile.h2d_bytes_per_s == 1e6
-    assert json.loads((tmp_path / "lazytrain_plan.json").read_text())["tiers"] == strategy.schedule_result.tiers
+    assert "cpu" in first["homes"] and "cpu" not in strategy.schedule_result.homes
+    assert strategy.run_plan.profile.h2d_bytes_per_s == 1e6
+    assert json.loads((tmp_path / "lazytrain_plan.json").read_text())["homes"] == strategy.schedule_result.homes
     assert rel_diff(lt.model, ref.model) <= 1e-6
 
 
 def test_link_as_profiled_keeps_the_plan(tmp_path):
     strategy = _strategy(lambda: (H200_H2D * 1.1, H200_D2H * 0.9, H200_DUPLEX))  # within the 25% tolerance
     train(tiny_model("qwen3"), batches(3), strategy=strategy, default_root_dir=str(tmp_path))
-    assert strategy.link_drift.events == []
+    assert strategy.run_plan.link_drift.events == []
 
 
 def test_a_larger_batch_is_planned_for_before_it_runs(tmp_path, caplog, monkeypatch):
     """Batches padded to their longest sample change shape. A batch longer or wider than the plan's shape is
     planned for first (its length rounded up to 128), which the budget then fits with other homes; a smaller batch
     keeps the larger plan. Training matches the plain run throughout."""
-    import lightning_lazytrain.replan as replan
+    import lightning_lazytrain.planning.run_plan as run_plan
 
     data = batches(1, seq=16) + batches(1, seq=24, seed=2) + batches(1, seq=16, seed=3) + batches(1, 3, 20, seed=4)
     plain, _ = train(tiny_model("qwen3"), data, max_steps=4)
-    solved, solve_plan = [], replan.solve_plan
-    monkeypatch.setattr(replan, "solve_plan", lambda s, e, *shape, **kw: solved.append(shape) or solve_plan(
-        s, e, *shape, **kw))
+    solved, measure_profile = [], run_plan.measure_profile
+    monkeypatch.setattr(run_plan, "measure_profile", lambda s, e, shape: solved.append(shape) or measure_profile(
+        s, e, shape))
     strategy = LazyTrainStrategy(schedule="milp", gpu_activation_gib=36 * ACT / 2**30, cpu_activation_gib=0.0)
     tiers = []
-    strategy.milp_plan.before_batch = _after(strategy.milp_plan.before_batch,
-                                             lambda: tiers.append(list(strategy.schedule_result.tiers)))
+    strategy.run_plan.before_batch = _after(strategy.run_plan.before_batch,
+                                            lambda: tiers.append(list(strategy.schedule_result.homes)))
     with caplog.at_level(logging.WARNING):
         lt, _ = train(tiny_model("qwen3"), data, strategy=strategy, max_steps=4, default_root_dir=str(tmp_path))
     assert solved == [(2, 16), (2, 128), (3, 128)]
-    assert strategy.resume.plan_shape == (3, 128)
+    assert strategy.run_plan.shape == (3, 128)
     grown = [r.getMessage() for r in caplog.records if "larger than" in r.getMessage()]
     assert grown == ["lazytrain: batch 2 x 24 is larger than the 2 x 16 the plan was solved for: solving it for "
                      "2 x 128", "lazytrain: batch 3 x 20 is larger than the 2 x 128 the plan was solved for: "
@@ -107,5 +107,5 @@ def test_a_plan_solved_for_a_larger_batch_gets_the_oom_ladder_again():
     plain, _ = train(tiny_model("qwen3"), data, max_steps=5)
     strategy = LazyTrainStrategy(schedule="milp")
     lt, trainer = train(model, data, strategy=strategy, max_steps=5)
-    assert left["n"] == 0 and strategy.oom_ladder.taken and strategy.oom_ladder.since == 4
+    assert left["n"] == 0 and strategy.run_plan.ladder.taken and strategy.run_plan.ladder.since == 4
     assert trainer.global_step == 5 and rel_diff(lt.model, plain.model) <= 5e-6

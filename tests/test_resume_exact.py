@@ -99,18 +99,17 @@ def test_strategy_state_round_trips_through_a_checkpoint_file(tmp_path):
     saving = LazyTrainStrategy(schedule="milp")
     saving.resume.skipped_steps = 2
     saving.resume.nonfinite_guard.consecutive, saving.resume.nonfinite_guard.skipped = 1, 2
-    saving.resume.schedule_result = Schedule.every(4, 2)
-    saving.resume.plan_shape = (2, 16)
+    saving.run_plan.schedule, saving.run_plan.shape = Schedule.every(4, 2), (2, 16)
     io, path = AtomicCheckpointIO(), tmp_path / "s.ckpt"
     io.save_checkpoint({STATE_KEY: saving.resume.dump()}, path)
     loading = LazyTrainStrategy(schedule="milp")
     loading.resume.load(io.load_checkpoint(path)[STATE_KEY])
     assert loading.resume.skipped_steps == 2
     assert loading.resume.nonfinite_guard.state_dict() == saving.resume.nonfinite_guard.state_dict()
-    shape, plan = loading.resume.saved_plan((2, 16))
-    assert shape == (2, 16) and plan.tiers == saving.resume.schedule_result.tiers
-    assert loading.resume.saved_plan((1, 9))[0] == (2, 16)  # a shorter batch runs the saved plan, for its shape
-    assert loading.resume.saved_plan((4, 16)) is None and loading.resume.saved_plan((2, 17)) is None
+    shape, plan = loading.run_plan.saved_plan((2, 16))
+    assert shape == (2, 16) and plan.homes == saving.schedule_result.homes
+    assert loading.run_plan.saved_plan((1, 9))[0] == (2, 16)  # a shorter batch runs the saved plan, for its shape
+    assert loading.run_plan.saved_plan((4, 16)) is None and loading.run_plan.saved_plan((2, 17)) is None
 
 
 def test_random_streams_are_restored_at_the_first_resumed_batch():

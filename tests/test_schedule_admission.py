@@ -1,6 +1,7 @@
 import pytest
 
-from lightning_lazytrain.admission import AdmissionError, admission_report, check_admission, host_bytes_per_param
+from lightning_lazytrain.admission import admission_report, check_admission, host_bytes_per_param
+from lightning_lazytrain.tier_report import AdmissionError
 
 GIB = 1 << 30
 HOST_H200 = 125 * GIB

@@ -10,81 +10,18 @@ import time
 from dataclasses import replace
 
 import pytest
-import torch
+from forecast_helpers import GIB, H200, analytic_for, lazytrain_run, machine_of, meta, named
 from helpers import tiny_config
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3_5TextConfig
+from transformers import AutoModelForCausalLM
 
 from lightning_lazytrain.engine import Schedule
 from lightning_lazytrain.models.adapter import adapter_for
 from lightning_lazytrain.schedule.analytic import ACHIEVED_FRACTION, analytic_profile, gpu_layout, scale_profile
 from lightning_lazytrain.schedule.batch_search import MAX_BATCH, admits, largest_batch
-from lightning_lazytrain.schedule.forecast import Machine, RunSpec, forecast
+from lightning_lazytrain.schedule.forecast import forecast
 from lightning_lazytrain.schedule.gpus import GPUS, gpu_spec, spec_for_device
 from lightning_lazytrain.schedule.profile import Profile
 from lightning_lazytrain.schedule.step_time import predict_step
-
-GIB = 1 << 30
-H200 = GPUS["h200"]
-# Qwen/Qwen2.5-7B, Qwen/Qwen2.5-14B config.json; the Qwen3.6-27B text shape of REFERENCE.md
-QWEN25_7B = dict(
-    hidden_size=3584,
-    intermediate_size=18944,
-    num_hidden_layers=28,
-    num_attention_heads=28,
-    num_key_value_heads=4,
-    vocab_size=152064,
-    tie_word_embeddings=False,
-    max_position_embeddings=32768,
-)
-QWEN25_14B = dict(
-    hidden_size=5120,
-    intermediate_size=13824,
-    num_hidden_layers=48,
-    num_attention_heads=40,
-    num_key_value_heads=8,
-    vocab_size=152064,
-    tie_word_embeddings=False,
-    max_position_embeddings=32768,
-)
-QWEN25_3B = dict(
-    hidden_size=2048,
-    intermediate_size=11008,
-    num_hidden_layers=36,
-    num_attention_heads=16,
-    num_key_value_heads=2,
-    vocab_size=151936,
-    tie_word_embeddings=True,
-    max_position_embeddings=32768,
-)
-QWEN36_27B = dict(
-    hidden_size=5120,
-    intermediate_size=17408,
-    num_hidden_layers=64,
-    num_attention_heads=24,
-    num_key_value_heads=4,
-    head_dim=256,
-    vocab_size=248320,
-)
-
-
-def _meta(config):
-    with torch.device("meta"):
-        return adapter_for(AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16))
-
-
-def _run(adapter, **kw) -> RunSpec:
-    # the recipes' optimizer: HybridAdamW with 2% 8-bit states
-    kw.setdefault("schedule", "milp")
-    return RunSpec(adapter, kw.pop("seq", 1024), optimizer_state_bytes_per_param=8.0 - 6.0 * 0.02, **kw)
-
-
-def _machine(memory_gib: float | None = None, host_gib: float = 120.0, gpu=H200) -> Machine:
-    spec = gpu if memory_gib is None else replace(gpu, memory_bytes=int(memory_gib * GIB))
-    return Machine(spec, int(host_gib * GIB))
-
-
-def _analytic(run: RunSpec, gpu=H200):
-    return lambda b: analytic_profile(run.adapter, b, run.seq, gpu, run.stream_dtype)
 
 
 def test_gpu_table_names_and_the_h200_link_it_was_scaled_from():
@@ -106,7 +43,7 @@ def test_analytic_profile_is_flops_over_the_achieved_rate_and_meta_equals_real()
     numel = (h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * inter + 2 * h
     flops = 2 * numel * batch * seq + 4 * batch * seq * seq * h * 0.5
     rate = H200.bf16_tflops * 1e12 * ACHIEVED_FRACTION
-    for adapter in (real, _meta(config)):
+    for adapter in (real, meta(config)):
         prof = analytic_profile(adapter, batch, seq, H200)
         assert prof.forward_seconds == pytest.approx([flops / rate] * 4, rel=1e-12)
         assert prof.activation_bytes == [batch * seq * h * 2] * 5 and prof.param_bytes == [numel * 2] * 4
@@ -118,7 +55,7 @@ def test_analytic_profile_is_flops_over_the_achieved_rate_and_meta_equals_real()
 
 
 def test_gpu_layout_counts_slot_and_resident_copy_by_hand():
-    adapter = _meta(Qwen2Config(**QWEN25_7B))
+    adapter = meta(named("qwen2.5-7b"))
     layout = gpu_layout(adapter)
     h, inter, vocab = 3584, 18944, 152064
     layer = (h * h + h) + 2 * (h * 512 + 512) + h * h + 3 * h * inter + 2 * h
@@ -167,35 +104,37 @@ def test_7b_on_an_80_gib_h200_steps_as_measured():
 
     That run planned before the MILP could keep graphs; the forecast plans as the strategy does now, keeping the
     graphs of some layers (no re-forward in their backward) and still recomputing none."""
-    run = _run(_meta(Qwen2Config(**QWEN25_7B)))
+    run = lazytrain_run(meta(named("qwen2.5-7b")))
     assert run.trainable_params == pytest.approx(7.61e9, rel=0.01)  # Qwen2.5-7B's published 7.61 B
     t0 = time.perf_counter()
-    f = forecast(run, _machine(80), 64, _analytic(run))
+    f = forecast(run, machine_of(80), 64, analytic_for(run))
     assert time.perf_counter() - t0 < 20  # a solve is capped at solver_time_limit=10 s
     assert f.fits and f.schedule.recomputed_layers() == 0 and sum(f.schedule.keep_graph) >= 1
     assert f.prediction.step_s == pytest.approx(7.67, rel=0.15)
     assert f.model_tflops == pytest.approx(400.7, rel=0.15)
     # the paper's batch 144 also ran under 80 GiB (75.9 GiB peak, 402.0 model-TFLOPS); the analytic working set
     # of one layer at that batch is larger than what the run measured, so this plan recomputes some boundaries
-    big = forecast(run, _machine(80), 144, _analytic(run))
+    big = forecast(run, machine_of(80), 144, analytic_for(run))
     assert big.fits and big.report.tiers["gpu"].need <= 80 * GIB
     assert big.report.tiers["gpu"].need / GIB == pytest.approx(75.9, rel=0.1)
     assert big.model_tflops == pytest.approx(402.0, rel=0.15)
 
 
 def test_3b_batch_8_matches_the_measured_step():
-    run = _run(_meta(Qwen2Config(**QWEN25_3B)))
-    f = forecast(run, _machine(80), 8, _analytic(run))
+    run = lazytrain_run(meta(named("qwen2.5-3b")))
+    f = forecast(run, machine_of(80), 8, analytic_for(run))
     assert f.fits and f.schedule.counts()["gpu"] == 37
     assert 1.01 * 0.85 <= f.prediction.step_s <= 1.35 * 1.15  # measured 1.01 to 1.35 s across calls (issue 16)
 
 
-@pytest.mark.parametrize("shape,layers,params,batch", [(QWEN25_14B, 48, 14.77e9, 16), (QWEN36_27B, 64, 25.38e9, 6)])
+@pytest.mark.parametrize(
+    "shape,layers,params,batch", [("qwen2.5-14b", 48, 14.77e9, 16), ("qwen3.6-27b", 64, 25.38e9, 6)]
+)
 def test_14b_and_27b_meta_shapes_plan_with_cpu_homes_when_the_gpu_is_small(shape, layers, params, batch):
-    config = Qwen2Config(**shape) if "head_dim" not in shape else Qwen3_5TextConfig(**shape)
-    run = _run(_meta(config))
+    config = named(shape)
+    run = lazytrain_run(meta(config))
     assert run.adapter.num_layers == layers and run.trainable_params == pytest.approx(params, rel=0.01)
-    f = forecast(run, _machine(24, host_gib=500), batch, _analytic(run))
+    f = forecast(run, machine_of(24, host_gib=500), batch, analytic_for(run))
     assert f.fits and f.report.tiers["gpu"].need <= 24 * GIB
     # under a 24 GiB card the boundaries do not all fit: the plan homes some on the CPU or recomputes them
     counts = f.schedule.counts()
@@ -204,9 +143,9 @@ def test_14b_and_27b_meta_shapes_plan_with_cpu_homes_when_the_gpu_is_small(shape
 
 
 def test_nothing_fits_says_why():
-    run = _run(_meta(Qwen2Config(**QWEN25_7B)))
-    assert largest_batch(run, _machine(2), _analytic(run)) is None  # the weight slots and head alone exceed 2 GiB
-    f = forecast(run, _machine(2), 1, _analytic(run))
+    run = lazytrain_run(meta(named("qwen2.5-7b")))
+    assert largest_batch(run, machine_of(2), analytic_for(run)) is None  # the weight slots and head alone exceed 2 GiB
+    f = forecast(run, machine_of(2), 1, analytic_for(run))
     assert not f.fits and f.schedule is None and "GPU activation budget short" in f.notes[-1]
 
 
@@ -214,79 +153,32 @@ def test_boundaries_short_of_the_default_cpu_budget_say_where_it_came_from():
     """The 7B recipe's optimizer at batch 192 under 24 GiB with 118 GiB of host RAM: the run's own pieces leave
     5.4 GiB, a quarter of it is the CPU budget, and the boundaries do not fit; the note says so and names the
     setting. With the budget set by hand the note is not added."""
-    run = _run(_meta(Qwen2Config(**QWEN25_7B)))
-    f = forecast(run, _machine(24, host_gib=118), 192, _analytic(run))
+    run = lazytrain_run(meta(named("qwen2.5-7b")))
+    f = forecast(run, machine_of(24, host_gib=118), 192, analytic_for(run))
     assert f.schedule is None and "must be saved" in f.notes[0]
     left = 118 * GIB - f.report.tiers["host"].need
     assert f.notes[-1] == (f"the CPU budget, {left // 4 / GIB:.3f} GiB, is a quarter of the {left // 4 * 4 / GIB:.1f} "
                            "GiB of host RAM left after the run's own pieces: cpu_activation_gib sets it")
-    set_by_hand = _run(run.adapter, cpu_activation_gib=1.0)
-    assert len(forecast(set_by_hand, _machine(24, host_gib=118), 192, _analytic(run)).notes) == 1
+    set_by_hand = lazytrain_run(run.adapter, cpu_activation_gib=1.0)
+    assert len(forecast(set_by_hand, machine_of(24, host_gib=118), 192, analytic_for(run)).notes) == 1
 
 
 def test_host_shortfall_is_reported_with_the_plan():
-    run = _run(_meta(Qwen2Config(**QWEN25_7B)), gradient_home="host")  # "plan" would move them to the GPU
-    f = forecast(run, _machine(80, host_gib=64), 16, _analytic(run))
+    run = lazytrain_run(meta(named("qwen2.5-7b")), gradient_home="host")  # "plan" would move them to the GPU
+    f = forecast(run, machine_of(80, host_gib=64), 16, analytic_for(run))
     assert f.fits_gpu and not f.fits
     host = f.report.tiers["host"]
     assert host.need == pytest.approx(run.trainable_params * (4 + 2 + 2 + 7.88), rel=1e-6)
     assert host.short == host.need - 64 * GIB
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3.5"])
-def test_profile_of_a_meta_model_spreads_one_layer_per_kind(tmp_path, family):
-    """On the CPU `profile_model` is analytic, so the spread profile must equal the full real model's exactly."""
-    from helpers import tiny_model
-
-    from lightning_lazytrain.schedule import profile_model
-    from lightning_lazytrain.schedule.device_profile import measured_profile
-
-    cpu = torch.device("cpu")
-    full = profile_model(adapter_for(tiny_model(family)), 2, 16, cpu, cache_dir=str(tmp_path / "full"))
-    spread = measured_profile(_meta(tiny_config(family)), 2, 16, cpu, cache_dir=str(tmp_path / "small"))
-    assert len(set(full.layer_types)) == (2 if family == "qwen3.5" else 1)
-    assert spread.forward_seconds == pytest.approx(full.forward_seconds, rel=1e-12)
-    assert spread.layer_types == full.layer_types and spread.head_seconds == pytest.approx(full.head_seconds)
-    assert spread.activation_bytes == full.activation_bytes and spread.param_bytes == full.param_bytes
-
-
-def test_a_batch_past_the_measured_tokens_is_scaled_from_a_smaller_measurement(tmp_path, monkeypatch):
-    """The largest-batch search asks for batches whose logits would not fit the card: time at the cap, scale up."""
-    from lightning_lazytrain.schedule import device_profile
-
-    cpu, meta = torch.device("cpu"), _meta(tiny_config("qwen2"))
-    at_cap = device_profile.measured_profile(meta, 2, 16, cpu, cache_dir=str(tmp_path))
-    monkeypatch.setattr(device_profile, "MEASURED_TOKENS", 32)
-    scaled = device_profile.measured_profile(meta, 8, 16, cpu, cache_dir=str(tmp_path))
-    assert scaled.batch == 8 and "at batch 2 scaled x4.00" in scaled.info["scaling"]
-    assert scaled.forward_seconds == pytest.approx([4 * t for t in at_cap.forward_seconds], rel=1e-12)
-    assert scaled.head_seconds == pytest.approx(4 * at_cap.head_seconds, rel=1e-12)
-    assert scaled.activation_bytes == [4 * a for a in at_cap.activation_bytes]
-    assert scaled.param_bytes == at_cap.param_bytes
-
-
-@pytest.mark.gpu
-def test_profile_of_a_meta_model_measured_on_the_gpu(tmp_path):
-    from lightning_lazytrain.schedule.device_profile import measured_profile
-
-    run = _run(_meta(Qwen2Config(**QWEN25_3B)))
-    prof = measured_profile(run.adapter, 8, 1024, torch.device("cuda"), cache_dir=str(tmp_path))
-    assert set(prof.sources.values()) == {"measured", "analytic"} and prof.sources["forward_seconds"] == "measured"
-    analytic = analytic_profile(run.adapter, 8, 1024, spec_for_device(torch.cuda.get_device_name()) or H200)
-    # ACHIEVED_FRACTION came from a 7B batch-64 step; a 3B batch-8 layer reaches less of the peak (its step's
-    # compute, 0.574 s for 36 layers x 4 forwards + head, gives ~3.8 ms per forward against 2.3 ms analytic)
-    assert 0.8 < prof.forward_seconds[0] / analytic.forward_seconds[0] < 2.5
-    f = forecast(run, _machine(80), 8, lambda b: prof)
-    assert f.fits and f.prediction.step_s > 0
-
-
-def test_an_interval_plan_is_the_one_the_engine_would_run():
-    run = _run(_meta(Qwen2Config(**QWEN25_7B)), schedule="interval:4", keep_graph_layers=2)
-    f = forecast(run, _machine(80), 16, _analytic(run))
+def test_an_interval_plan_is_the_one_the_engine_wouldlazytrain_run():
+    run = lazytrain_run(meta(named("qwen2.5-7b")), schedule="interval:4", keep_graph_layers=2)
+    f = forecast(run, machine_of(80), 16, analytic_for(run))
     engine = Schedule.every(28, 4, 2)
-    assert f.schedule.tiers == engine.tiers and f.schedule.keep_graph == engine.keep_graph
+    assert f.schedule.homes == engine.homes and f.schedule.keep_graph == engine.keep_graph
     # re-forwards of the 3 inner layers of each 4-layer block, as the MILP would charge them
-    prof, blocks = _analytic(run)(16), f.schedule.blocks()
+    prof, blocks = analytic_for(run)(16), f.schedule.blocks()
     assert f.prediction.exposed_s == pytest.approx(sum(sum(prof.forward_seconds[s : e - 1]) for s, e in blocks))
     # the two kept graphs hold their graph bytes and a slot each beside the two prefetch slots; the largest block
     # peaks at its 4 slots, its 3 rebuilt boundaries and one layer's working set (the head's 1.5 GiB is less), with
@@ -300,19 +192,19 @@ def test_an_interval_plan_is_the_one_the_engine_would_run():
 
 
 def test_the_batch_search_stops_at_its_cap():
-    run = _run(_meta(tiny_config("qwen2")), seq=8, schedule="interval:1")
-    best = largest_batch(run, _machine(), _analytic(run))
-    assert best.batch == MAX_BATCH and best.fits_gpu and admits(run, _machine(), MAX_BATCH + 1, _analytic(run))
+    run = lazytrain_run(meta(tiny_config("qwen2")), seq=8, schedule="interval:1")
+    best = largest_batch(run, machine_of(), analytic_for(run))
+    assert best.batch == MAX_BATCH and best.fits_gpu and admits(run, machine_of(), MAX_BATCH + 1, analytic_for(run))
 
 
 def test_checkpoints_need_their_disk():
-    run = _run(_meta(Qwen2Config(**QWEN25_7B)), checkpoints_kept=3)
-    machine = replace(_machine(80), checkpoint_free_bytes=200 * GIB)
-    f = forecast(run, machine, 16, _analytic(run))
+    run = lazytrain_run(meta(named("qwen2.5-7b")), checkpoints_kept=3)
+    machine = replace(machine_of(80), checkpoint_free_bytes=200 * GIB)
+    f = forecast(run, machine, 16, analytic_for(run))
     (need,) = f.report.tiers["checkpoint"].pieces.values()
     assert need == 4 * int(run.trainable_params * (4 + 7.88))  # fp32 masters + states, 3 kept + 1 being saved
     assert f.fits_gpu and not f.fits and f.report.tiers["checkpoint"].short == need - 200 * GIB
-    bf16 = forecast(replace(run, precision="bf16-true", checkpoints_kept=1), machine, 16, _analytic(run))
+    bf16 = forecast(replace(run, precision="bf16-true", checkpoints_kept=1), machine, 16, analytic_for(run))
     assert bf16.fits and bf16.report.tiers["checkpoint"].need == 2 * int(run.trainable_params * (2 + 7.88))
 
 
@@ -324,10 +216,10 @@ def test_fused_kernels_give_smaller_graphs_faster_layers_and_a_larger_batch():
     from lightning_lazytrain.models.fused_kernels import liger_available
     from lightning_lazytrain.schedule.analytic import FUSED_LAYER_TIME, FUSED_ROPE_TIME
 
-    adapter = _meta(Qwen2Config(**QWEN25_7B))
-    hf, fused = _run(adapter, fused_kernels="none"), _run(adapter, fused_kernels="liger")
+    adapter = meta(named("qwen2.5-7b"))
+    hf, fused = lazytrain_run(adapter, fused_kernels="none"), lazytrain_run(adapter, fused_kernels="liger")
     assert not hf.kernels_fused and fused.kernels_fused
-    assert _run(adapter).kernels_fused is liger_available()
+    assert lazytrain_run(adapter).kernels_fused is liger_available()
     base = analytic_profile(adapter, 64, 1024, H200)
     fast = analytic_profile(adapter, 64, 1024, H200, fused=True)
     ratios = [f / b for f, b in zip(fast.forward_seconds, base.forward_seconds, strict=True)]
@@ -335,14 +227,14 @@ def test_fused_kernels_give_smaller_graphs_faster_layers_and_a_larger_batch():
     assert fast.graph_bytes[0] / base.graph_bytes[0] == pytest.approx(0.695, abs=0.01)  # 158.8 / 232.6 KB measured
     assert fast.working_bytes[0] < base.working_bytes[0] and fast.mlp_graph_bytes[0] < base.mlp_graph_bytes[0]
     # an MoE layer's fused norms and RoPE are bound, but its time is the experts': not scaled
-    moe = _meta(tiny_config("qwen3-moe"))
+    moe = meta(tiny_config("qwen3-moe"))
     assert (analytic_profile(moe, 4, 64, H200, fused=True).forward_seconds
             == analytic_profile(moe, 4, 64, H200).forward_seconds)
-    machine = _machine(80.0)
+    machine = machine_of(80.0)
     bigger = largest_batch(fused, machine, lambda b: analytic_profile(adapter, b, 1024, H200, fused=True))
-    smaller = largest_batch(hf, machine, _analytic(hf))
+    smaller = largest_batch(hf, machine, analytic_for(hf))
     assert bigger.batch > smaller.batch
     assert bigger.prediction.step_s / bigger.batch < smaller.prediction.step_s / smaller.batch
-    qwen35 = _meta(Qwen3_5TextConfig(**QWEN36_27B))
+    qwen35 = meta(named("qwen3.6-27b"))
     unfused = analytic_profile(qwen35, 4, 1024, H200)
     assert analytic_profile(qwen35, 4, 1024, H200, fused=True).graph_bytes == unfused.graph_bytes

@@ -1,5 +1,6 @@
-"""The forecast plans as the strategy does: the same problem as `planner.solve_plan`, the same per-layer estimates
-as `profile_model` off CUDA, and an admission GPU tier and batch search that agree with the MILP's memory rows."""
+"""The forecast plans as the strategy does: the same problem as `planning.solve.solve_plan`, the same per-layer
+estimates as `profile_model` off CUDA, and an admission GPU tier and batch search that agree with the MILP's memory
+rows."""
 
 from __future__ import annotations
 
@@ -12,18 +13,19 @@ import torch
 from helpers import VOCAB, tiny_config, tiny_model
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from lightning_lazytrain import planner
 from lightning_lazytrain.engine import Schedule
 from lightning_lazytrain.engine.executor import StreamingExecutor
 from lightning_lazytrain.models.adapter import adapter_for
+from lightning_lazytrain.planning import solve as planner
 from lightning_lazytrain.schedule import profile_model
 from lightning_lazytrain.schedule.analytic import ACHIEVED_FRACTION, analytic_profile, scale_profile
 from lightning_lazytrain.schedule.batch_search import admits, largest_batch
 from lightning_lazytrain.schedule.feasibility import some_plan_fits
-from lightning_lazytrain.schedule.forecast import Machine, RunSpec, forecast, gpu_total_bytes, problem_for
+from lightning_lazytrain.schedule.forecast import Machine, RunSpec, forecast, plan_inputs, problem_for
 from lightning_lazytrain.schedule.gpus import GPUS
 from lightning_lazytrain.schedule.milp import InfeasibleScheduleError, precheck, solve
 from lightning_lazytrain.schedule.milp_memory import plan_gpu_bytes
+from lightning_lazytrain.schedule.plan_inputs import PlanSettings, gpu_total_bytes
 from lightning_lazytrain.schedule.problem import ScheduleProblem
 
 GIB, MIB = 1 << 30, 1 << 20
@@ -52,7 +54,7 @@ def _analytic(run: RunSpec):
 def _machine_for_total(run: RunSpec, total: int) -> Machine:
     """A GPU whose memory gives the plan ``total`` bytes (up to the margin's rounding, checked)."""
     machine = Machine(replace(H200, memory_bytes=SIX_RESIDENT + math.ceil(total / 0.95)), 120 * GIB)
-    assert total <= gpu_total_bytes(run, machine) <= total + 2
+    assert total <= gpu_total_bytes(plan_inputs(run, machine)) <= total + 2
     return machine
 
 
@@ -61,7 +63,7 @@ def test_the_forecast_builds_the_problem_solve_plan_builds(monkeypatch):
     adapter = adapter_for(model)
     executor = StreamingExecutor(adapter, torch.device("cpu"), torch.float32, torch.bfloat16, Schedule.every(4, 1))
     try:
-        settings = planner.PlanSettings("milp", keep_graph_layers=1, gpu_activation_gib=0.5, cpu_activation_gib=2.0,
+        settings = PlanSettings("milp", keep_graph_layers=1, gpu_activation_gib=0.5, cpu_activation_gib=2.0,
                                         max_recompute_span=3, layer_micro_batches=2)
         run = RunSpec(adapter, 16, schedule="milp", keep_graph_layers=1, gpu_activation_gib=0.5,
                       cpu_activation_gib=2.0, max_recompute_span=3, layer_micro_batches=2)
@@ -69,12 +71,12 @@ def test_the_forecast_builds_the_problem_solve_plan_builds(monkeypatch):
         # the device copy of embeddings, head and final norm the executor holds before the planner measures
         resident = 2 * (2 * VOCAB * 64 + 64)
         assert executor.resident_device_bytes == 2 * resident  # that copy, and its gradients to come
-        assert gpu_total_bytes(run, machine) == int(0.95 * (3 * GIB - resident))
+        assert gpu_total_bytes(plan_inputs(run, machine)) == int(0.95 * (3 * GIB - resident))
         profile = analytic_profile(adapter, 2, 16, H200)
         built = []
-        monkeypatch.setattr(planner, "gpu_total_bytes", lambda _: gpu_total_bytes(run, machine))
+        monkeypatch.setattr(planner, "device_plan_bytes", lambda _: plan_inputs(run, machine).device_bytes)
         monkeypatch.setattr(planner, "solve", lambda problem, **_: built.append(problem) or Schedule.every(4, 1))
-        planner.solve_plan(settings, executor, 2, 16, profile=profile)
+        planner.solve_plan(planner.executor_inputs(settings, executor), profile)
     finally:
         executor.close()
     (strategy,) = built
@@ -151,7 +153,7 @@ def test_auto_micro_batches_are_the_fewest_that_fit_and_the_batch_search_stays_e
 def test_every_admitted_batch_has_a_plan_within_the_device_total(memory_gib):
     run = _six()
     machine = Machine(replace(H200, memory_bytes=int(memory_gib * GIB)), int(0.5 * GIB))
-    total = gpu_total_bytes(run, machine)
+    total = gpu_total_bytes(plan_inputs(run, machine))
     best = largest_batch(run, machine, _analytic(run))
     for batch in (1, best.batch // 2, best.batch, best.batch + 1):
         f = forecast(run, machine, batch, _analytic(run))
@@ -159,7 +161,7 @@ def test_every_admitted_batch_has_a_plan_within_the_device_total(memory_gib):
         if f.schedule is None:
             continue
         charged = plan_gpu_bytes(problem_for(run, machine, _analytic(run)(batch)),
-                                 f.schedule.tiers, f.schedule.keep_graph, f.schedule.mlp_recompute)
+                                 f.schedule.homes, f.schedule.keep_graph, f.schedule.mlp_recompute)
         gpu = f.report.tiers["gpu"]
         # the tier is the MILP's device row: the resident copy and the margin outside it, the plan's bytes inside
         assert charged <= total and gpu.need == machine.gpu.memory_bytes - total + charged <= gpu.have
@@ -243,4 +245,4 @@ def test_a_forced_graphs_output_needs_a_home():
     assert some_plan_fits(replace(tight, cpu_budget_bytes=size))
     with pytest.raises(InfeasibleScheduleError):
         solve(tight)
-    assert solve(replace(tight, cpu_budget_bytes=size)).tiers[1] == "cpu"
+    assert solve(replace(tight, cpu_budget_bytes=size)).homes[1] == "cpu"

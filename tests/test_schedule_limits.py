@@ -51,7 +51,7 @@ def test_head_window_hides_last_reloads(head):
         nvme_budget_bytes=0, h2d_bytes_per_s=GIB, d2h_bytes_per_s=GIB, nvme_read_bytes_per_s=GIB,
         nvme_write_bytes_per_s=GIB, max_recompute_span=1, head_seconds=head)
     s = solve(p, mip_gap=1e-9)
-    assert s.tiers == ["gpu", "cpu", "gpu"]
+    assert s.homes == ["gpu", "cpu", "gpu"]
     assert s.predicted_exposed_seconds == pytest.approx(1.0 - head, abs=1e-6)
 
 

@@ -30,9 +30,9 @@ def test_objective_matches_brute_force(seed):
     assert s.status == "optimal"
     assert s.objective == pytest.approx(ref[0], rel=1e-6, abs=1e-9)
     # The returned tiers must themselves achieve the optimum (not just the reported number).
-    assert plan_cost(p, s.tiers) == pytest.approx(ref[0], rel=1e-6, abs=1e-9)
-    ties = sum(p.lambda_materialize for t in s.tiers[1:-1] if t != "recompute")
-    ties += sum({"cpu": p.lambda_cpu, "nvme": p.lambda_nvme}.get(t, 0.0) for t in s.tiers)
+    assert plan_cost(p, s.homes) == pytest.approx(ref[0], rel=1e-6, abs=1e-9)
+    ties = sum(p.lambda_materialize for t in s.homes[1:-1] if t != "recompute")
+    ties += sum({"cpu": p.lambda_cpu, "nvme": p.lambda_nvme}.get(t, 0.0) for t in s.homes)
     assert s.predicted_exposed_seconds == pytest.approx(ref[0] - ties, rel=1e-6, abs=1e-8)
 
 
@@ -49,7 +49,7 @@ def test_brute_force_instances_are_not_trivial():
 def _check_plan(p: ScheduleProblem, s) -> None:
     a = p.activation_bytes
     for tier, budget in (("gpu", p.gpu_budget_bytes), ("cpu", p.cpu_budget_bytes), ("nvme", p.nvme_budget_bytes)):
-        assert sum(a[i] for i, t in enumerate(s.tiers) if t == tier) <= budget
+        assert sum(a[i] for i, t in enumerate(s.homes) if t == tier) <= budget
     assert all(e - s_ <= p.max_recompute_span for s_, e in s.blocks())
 
 
@@ -115,4 +115,4 @@ def test_single_layer_and_free_transfers():
         h2d_bytes_per_s=1e10, d2h_bytes_per_s=1e10, nvme_read_bytes_per_s=1e9, nvme_write_bytes_per_s=1e9,
         max_recompute_span=1)
     s = solve(p)
-    assert s.tiers == ["gpu", "gpu"] and s.predicted_exposed_seconds == 0 and s.blocks() == [(0, 1)]
+    assert s.homes == ["gpu", "gpu"] and s.predicted_exposed_seconds == 0 and s.blocks() == [(0, 1)]

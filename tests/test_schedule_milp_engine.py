@@ -33,7 +33,7 @@ def _check(p: ScheduleProblem) -> tuple | None:
     s = solve(p, time_limit=30, mip_gap=1e-9, engine_windows=True)
     assert s.objective == pytest.approx(ref[0], rel=1e-6, abs=1e-9)
     # the plan itself achieves it, and fits
-    assert plan_cost(p, s.tiers, choice_of(s), engine_transfers) == pytest.approx(ref[0], rel=1e-6, abs=1e-9)
+    assert plan_cost(p, s.homes, choice_of(s), engine_transfers) == pytest.approx(ref[0], rel=1e-6, abs=1e-9)
     return ref
 
 

@@ -23,8 +23,8 @@ def test_memory_milp_matches_brute_force(seed):
         return
     s = solve(p, time_limit=30, mip_gap=1e-9)
     assert s.objective == pytest.approx(ref[0], rel=1e-6, abs=1e-9)
-    assert plan_cost(p, s.tiers, choice_of(s)) == pytest.approx(ref[0], rel=1e-6, abs=1e-9)
-    assert s.info["gpu_bytes"] == gpu_peak(p, s.tiers, choice_of(s)) <= p.gpu_total_bytes
+    assert plan_cost(p, s.homes, choice_of(s)) == pytest.approx(ref[0], rel=1e-6, abs=1e-9)
+    assert s.info["gpu_bytes"] == gpu_peak(p, s.homes, choice_of(s)) <= p.gpu_total_bytes
     assert all(s.keep_graph[j] for j in p.keep_graph_layers)
 
 

@@ -21,8 +21,8 @@ def test_mlp_milp_matches_brute_force(seed):
     s = solve(p, time_limit=30, mip_gap=1e-9)
     assert s.objective == pytest.approx(ref[0], rel=1e-6, abs=1e-9)
     choice = choice_of(s)
-    assert plan_cost(p, s.tiers, choice) == pytest.approx(ref[0], rel=1e-6, abs=1e-9)
-    assert s.info["gpu_bytes"] == gpu_peak(p, s.tiers, choice)
+    assert plan_cost(p, s.homes, choice) == pytest.approx(ref[0], rel=1e-6, abs=1e-9)
+    assert s.info["gpu_bytes"] == gpu_peak(p, s.homes, choice)
 
 
 def test_brute_force_mlp_instances_are_not_trivial():

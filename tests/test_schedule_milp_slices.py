@@ -97,7 +97,7 @@ def test_auto_slices_are_the_fewest_some_plan_fits_in(seed):
     s = solve(auto, time_limit=30, mip_gap=1e-9)
     assert s.micro_batches == auto.micro_batches
     assert s.objective == pytest.approx(ref[0], rel=1e-6, abs=1e-9)
-    assert plan_cost(auto, s.tiers, choice_of(s)) == pytest.approx(ref[0], rel=1e-6, abs=1e-9)
+    assert plan_cost(auto, s.homes, choice_of(s)) == pytest.approx(ref[0], rel=1e-6, abs=1e-9)
 
 
 def test_slice_instances_are_not_trivial():

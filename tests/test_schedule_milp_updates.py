@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from lightning_lazytrain.engine.updates.placement import UnitTraffic, split_units
+from lightning_lazytrain.engine.updates.traffic import UnitTraffic
+from lightning_lazytrain.planning.update_placement import split_units
 from lightning_lazytrain.schedule.milp_updates import UpdateProblem, forward_wait, solve_updates
 
 

@@ -8,10 +8,10 @@ from lightning_lazytrain.schedule import ScheduleProblem
 
 def test_interval_schedule_is_megatrain_policy():
     s = Schedule.every(10, 4)
-    assert s.num_layers == 10 and len(s.tiers) == 11
+    assert s.num_layers == 10 and len(s.homes) == 11
     assert s.materialized() == [0, 4, 8, 10]
     assert s.blocks() == [(0, 4), (4, 8), (8, 10)]
-    assert all(s.tiers[i] == "recompute" for i in (1, 2, 3, 5, 6, 7, 9))
+    assert all(s.homes[i] == "recompute" for i in (1, 2, 3, 5, 6, 7, 9))
     assert s.recomputed_layers() == 3 + 3 + 1
     assert Schedule.every(8, 4).materialized() == [0, 4, 8]
     assert s.status == "interval:4" and s.max_recompute_span == 4
@@ -19,43 +19,45 @@ def test_interval_schedule_is_megatrain_policy():
 
 def test_interval_one_keeps_every_boundary_on_the_gpu():
     s = Schedule.every(5)
-    assert s.tiers == ["gpu"] * 6 and s.blocks() == [(i, i + 1) for i in range(5)] and s.recomputed_layers() == 0
+    assert s.homes == ["gpu"] * 6 and s.blocks() == [(i, i + 1) for i in range(5)] and s.recomputed_layers() == 0
     assert s.keep_graph == [False] * 5
 
 
 def test_kept_graphs_save_both_their_boundaries_on_the_gpu():
     s = Schedule.every(6, 3, keep_graph_layers=2)
-    assert s.tiers == ["gpu", "recompute", "recompute", "gpu", "gpu", "gpu", "gpu"]
+    assert s.homes == ["gpu", "recompute", "recompute", "gpu", "gpu", "gpu", "gpu"]
     assert s.keep_graph == [False] * 4 + [True] * 2 and s.graph_layers == 2
     assert s.slots_needed(2) == 2 + 3 + 2  # two held graphs, the block (0, 3), two slots of prefetch
 
 
 def test_json_round_trip_with_keep_graph():
-    s = Schedule(tiers=["gpu", "cpu", "recompute", "nvme", "gpu"], objective=0.25, predicted_exposed_seconds=0.2,
+    s = Schedule(homes=["gpu", "cpu", "recompute", "nvme", "gpu"], objective=0.25, predicted_exposed_seconds=0.2,
                  status="optimal", keep_graph=[True, False, False, True], max_recompute_span=2,
                  info={"mip_gap": 0.0})
     t = Schedule.from_json(s.to_json())
     assert t == s
-    assert json.loads(s.to_json())["tiers"] == s.tiers
+    assert json.loads(s.to_json())["homes"] == s.homes and json.loads(s.to_json())["version"] == 2
     assert Schedule.from_json(Schedule.every(6, 3).to_json()) == Schedule.every(6, 3)
 
 
 @pytest.mark.parametrize(
-    "tiers,kwargs,match",
+    "homes,kwargs,match",
     [(["cpu", "gpu"], {}, "must be 'gpu'"), (["gpu", "recompute"], {}, "must be 'gpu'"),
-     (["gpu", "disk", "gpu"], {}, "unknown tier"), (["gpu"], {}, "L\\+1 >= 2"),
+     (["gpu", "disk", "gpu"], {}, "unknown home"), (["gpu"], {}, "L\\+1 >= 2"),
      (["gpu", "recompute", "recompute", "gpu"], {"max_recompute_span": 2}, "exceed max_recompute_span"),
      (["gpu", "gpu", "gpu"], {"keep_graph": [False]}, "keep_graph must have"),
      (["gpu", "recompute", "gpu"], {"keep_graph": [True, False]}, "single-layer blocks")],
 )
-def test_schedule_validation(tiers, kwargs, match):
+def test_schedule_validation(homes, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        Schedule(tiers=tiers, **kwargs)
+        Schedule(homes=homes, **kwargs)
 
 
 def test_from_json_rejects_bad_documents():
-    with pytest.raises(ValueError, match="tiers"):
+    with pytest.raises(ValueError, match="homes"):
         Schedule.from_json("[1, 2]")
+    with pytest.raises(ValueError, match="'homes' list"):
+        Schedule.from_json(json.dumps({"tiers": ["gpu", "gpu"], "version": 2}))
     with pytest.raises(ValueError, match="unknown keys"):
         Schedule.from_json(json.dumps({"tiers": ["gpu", "gpu"], "bogus": 1}))
     with pytest.raises(ValueError, match="version"):
@@ -64,10 +66,16 @@ def test_from_json_rejects_bad_documents():
         Schedule.from_json(json.dumps({"tiers": ["gpu", "nvme"]}))
 
 
+def test_version_1_plans_with_tiers_still_load():
+    homes = ["gpu", "recompute", "nvme", "gpu"]
+    assert Schedule.from_json(json.dumps({"version": 1, "tiers": homes})) == Schedule(homes)
+    assert Schedule.from_json(json.dumps({"tiers": homes, "keep_graph": [False] * 3})) == Schedule(homes)
+
+
 def test_plans_written_with_the_solvers_transfers_still_load():
     old = {"tiers": ["gpu", "cpu", "gpu"], "transfers": [{"boundary": 1, "window": 1, "direction": "offload",
                                                           "tier": "cpu", "bytes": 123.0}]}
-    assert Schedule.from_json(json.dumps(old)) == Schedule(tiers=["gpu", "cpu", "gpu"])
+    assert Schedule.from_json(json.dumps(old)) == Schedule(homes=["gpu", "cpu", "gpu"])
 
 
 def _kw(n=3, **over):

@@ -67,7 +67,7 @@ def test_solver_prediction_is_its_plans_exposure():
     p = _problem(4, h2d=2, d2h=2, read=1, write=1)
     s = solve(p, mip_gap=1e-9, engine_windows=True)
     assert s.counts()["gpu"] == 2 and s.counts()["recompute"] == 0
-    got = predicted_exposure(p, s.tiers, s.keep_graph)["exposed_seconds"]
+    got = predicted_exposure(p, s.homes, s.keep_graph)["exposed_seconds"]
     assert s.predicted_exposed_seconds == pytest.approx(got, rel=1e-6)
     others = [predicted_exposure(p, ["gpu", a, b, c, "gpu"])["exposed_seconds"]
               for a in ("cpu", "nvme") for b in ("cpu", "nvme") for c in ("cpu", "nvme")]
@@ -80,12 +80,12 @@ def test_predicted_stall_is_the_unhidden_transfers_and_the_step_start_weight_cop
     p = _problem(2)
     p.slot_bytes = GIB // 2
     s = solve(p, mip_gap=1e-9, engine_windows=True)
-    assert s.tiers == ["gpu", "cpu", "gpu"]
+    assert s.homes == ["gpu", "cpu", "gpu"]
     assert p.step_start_seconds == pytest.approx(0.05)
     assert s.predicted_stall_seconds == pytest.approx(0.05 + 0.05, rel=1e-6)
     # re-forwards are compute, not stall: a recompute plan's stall is the weight copy alone
     p.cpu_budget_bytes = p.nvme_budget_bytes = 0
     p.max_recompute_span = 2
     s = solve(p, mip_gap=1e-9, engine_windows=True)
-    assert s.tiers == ["gpu", "recompute", "gpu"] and s.predicted_exposed_seconds == pytest.approx(0.1)
+    assert s.homes == ["gpu", "recompute", "gpu"] and s.predicted_exposed_seconds == pytest.approx(0.1)
     assert s.predicted_stall_seconds == pytest.approx(0.05, rel=1e-6)

@@ -8,7 +8,7 @@ import torch
 from helpers import LMModule, batches, loader, tiny_model, train
 
 import lightning_lazytrain.admission as admission
-from lightning_lazytrain.admission import AdmissionError
+from lightning_lazytrain.tier_report import AdmissionError
 
 Mem = collections.namedtuple("Mem", "available")
 

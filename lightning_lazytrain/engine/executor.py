@@ -131,7 +131,7 @@ class StreamingExecutor:
                 self.pool = SlotPool(self.queues, self.store.versions, slots, self.slot_numel, self.store.stream_dtype)
             except torch.OutOfMemoryError as err:
                 raise DeviceTooSmallError(self._slots_message(slots, self.slot_numel, self.store.stream_dtype)) from err
-        self.homes = ActivationHomes(self.queues, plan.tiers, self.store.pinned, self.spill_dir, self.timeout_s)
+        self.homes = ActivationHomes(self.queues, plan.homes, self.store.pinned, self.spill_dir, self.timeout_s)
 
     def unhooked(self) -> AbstractContextManager[None]:
         """The layers' own forwards, for code that copies or runs a layer itself (the profiler)."""

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 #: Where a boundary lives between its forward and its backward: kept on the GPU, offloaded to pinned host memory,
 #: spilled through it to a file, or dropped and rebuilt by re-running the layers before it.
 HOMES = ("gpu", "cpu", "nvme", "recompute")
-_VERSION = 1
-_FIELDS = ("tiers", "objective", "predicted_exposed_seconds", "status", "keep_graph", "max_recompute_span", "info",
+#: version 2 names the per-boundary list ``homes``; version 1 (``tiers``) is still read
+_VERSION = 2
+_FIELDS = ("homes", "objective", "predicted_exposed_seconds", "status", "keep_graph", "max_recompute_span", "info",
            "mlp_recompute", "micro_batches")
 
 
@@ -27,7 +28,7 @@ class Schedule:
     """Where each boundary's activation lives between its forward and its backward, and which layers keep their
     graph.
 
-    tiers[i] for boundary i in 0..L, one of ``HOMES``:
+    homes[i] for boundary i in 0..L, one of ``HOMES``:
       "gpu"       -- kept on the GPU from the forward until the backward that needs it.
       "cpu"       -- offloaded to pinned host memory in the forward, reloaded before its block's backward.
       "nvme"      -- offloaded through host memory to a spill file, read back before its block's backward.
@@ -40,10 +41,10 @@ class Schedule:
     ``micro_batches`` > 1 runs every layer on that many row slices of the batch, one after the other, and sums
     their weight gradients (`micro_batches.py`): the same gradients, a per-layer working set that much smaller.
     ``objective``, ``predicted_exposed_seconds``, ``status`` and ``info`` are what the planner says of the plan; the
-    engine reads only the tiers, ``keep_graph``, ``mlp_recompute`` and ``micro_batches``.
+    engine reads only the homes, ``keep_graph``, ``mlp_recompute`` and ``micro_batches``.
     """
 
-    tiers: list[str]
+    homes: list[str]
     objective: float = 0.0
     predicted_exposed_seconds: float = 0.0
     status: str = "given"
@@ -54,15 +55,15 @@ class Schedule:
     micro_batches: int = 1
 
     def __post_init__(self) -> None:
-        self.tiers = list(self.tiers)
-        n = len(self.tiers) - 1
+        self.homes = list(self.homes)
+        n = len(self.homes) - 1
         if n < 1:
-            raise ValueError(f"Schedule.tiers needs L+1 >= 2 entries, got {len(self.tiers)}")
-        bad = [(i, h) for i, h in enumerate(self.tiers) if h not in HOMES]
+            raise ValueError(f"Schedule.homes needs L+1 >= 2 entries, got {len(self.homes)}")
+        bad = [(i, h) for i, h in enumerate(self.homes) if h not in HOMES]
         if bad:
-            raise ValueError(f"unknown tier(s) {bad}; allowed: {HOMES}")
-        if self.tiers[0] != "gpu" or self.tiers[-1] != "gpu":
-            raise ValueError(f"Schedule boundaries 0 and L must be 'gpu', got {self.tiers[0]!r} / {self.tiers[-1]!r}")
+            raise ValueError(f"unknown home(s) {bad}; allowed: {HOMES}")
+        if self.homes[0] != "gpu" or self.homes[-1] != "gpu":
+            raise ValueError(f"Schedule boundaries 0 and L must be 'gpu', got {self.homes[0]!r} / {self.homes[-1]!r}")
         self.keep_graph = [False] * n if self.keep_graph is None else [bool(k) for k in self.keep_graph]
         if len(self.keep_graph) != n:
             raise ValueError(f"keep_graph must have one entry per layer ({n}), got {len(self.keep_graph)}")
@@ -93,23 +94,23 @@ class Schedule:
         """
         if num_layers < 1 or k < 1:
             raise ValueError(f"an interval plan needs num_layers >= 1 and k >= 1, got {num_layers}, {k}")
-        tiers = ["gpu" if i % k == 0 or i == num_layers else "recompute" for i in range(num_layers + 1)]
+        homes = ["gpu" if i % k == 0 or i == num_layers else "recompute" for i in range(num_layers + 1)]
         keep = [j >= num_layers - keep_graph_layers for j in range(num_layers)]
         for j, flag in enumerate(keep):
             if flag:
-                tiers[j] = tiers[j + 1] = "gpu"
-        return cls(tiers, status=f"interval:{k}", keep_graph=keep, max_recompute_span=k)
+                homes[j] = homes[j + 1] = "gpu"
+        return cls(homes, status=f"interval:{k}", keep_graph=keep, max_recompute_span=k)
 
     @property
     def num_layers(self) -> int:
-        return len(self.tiers) - 1
+        return len(self.homes) - 1
 
     def kept(self, boundary: int) -> bool:
-        return self.tiers[boundary] != "recompute"
+        return self.homes[boundary] != "recompute"
 
     def materialized(self) -> list[int]:
         """Boundaries whose activation is saved somewhere (gpu/cpu/nvme), ascending; always starts 0, ends L."""
-        return [i for i, t in enumerate(self.tiers) if t != "recompute"]
+        return [i for i, t in enumerate(self.homes) if t != "recompute"]
 
     def blocks(self) -> list[tuple[int, int]]:
         """Recompute blocks (s, e) between consecutive materialized boundaries, ascending.
@@ -136,7 +137,7 @@ class Schedule:
 
     def counts(self) -> dict[str, int]:
         """Boundaries per home over all of 0..L."""
-        return {t: self.tiers.count(t) for t in HOMES}
+        return {t: self.homes.count(t) for t in HOMES}
 
     def recomputed_layers(self) -> int:
         """Number of extra layer forwards the backward runs (sum over blocks of e - s - 1)."""
@@ -148,7 +149,7 @@ class Schedule:
 
     def same_placement(self, other: Schedule) -> bool:
         """Whether both plans run the same way (what the planner says of them aside)."""
-        return (self.tiers == other.tiers and self.keep_graph == other.keep_graph
+        return (self.homes == other.homes and self.keep_graph == other.keep_graph
                 and self.mlp_recompute == other.mlp_recompute and self.micro_batches == other.micro_batches)
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -157,11 +158,15 @@ class Schedule:
     @classmethod
     def from_json(cls, text: str) -> Schedule:
         d = json.loads(text)
-        if not isinstance(d, dict) or "tiers" not in d:
-            raise ValueError("schedule JSON must be an object with a 'tiers' list")
-        version = d.pop("version", _VERSION)
-        if version != _VERSION:
-            raise ValueError(f"schedule JSON version {version} is not supported (expected {_VERSION})")
+        if not isinstance(d, dict):
+            raise ValueError("schedule JSON must be an object with a 'homes' list")
+        version = d.pop("version", _VERSION if "homes" in d else 1)
+        if version not in (1, _VERSION):
+            raise ValueError(f"schedule JSON version {version} is not supported (expected {_VERSION}, or 1)")
+        if version == 1 and "tiers" in d:
+            d["homes"] = d.pop("tiers")
+        if "homes" not in d:
+            raise ValueError("schedule JSON must be an object with a 'homes' list ('tiers' in version 1)")
         # Plans written before the solver stopped reporting its per-window transfers carry them: nothing runs them.
         d.pop("transfers", None)
         unknown = set(d) - set(_FIELDS)

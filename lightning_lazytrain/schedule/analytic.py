@@ -135,8 +135,8 @@ class GpuLayout:
 
     ``slot_bytes``: one weight slot (the largest layer in the stream dtype). ``resident_copy_bytes``: the device
     copy of embeddings, final norm and head in the stream dtype, which the executor allocates at setup, before the
-    planner measures the free memory (`planner.gpu_total_bytes`). Their gradients come later, in the backward, and
-    the plan does not count them (docs/plan.md, "Not modelled").
+    planner measures the free memory (`planning.solve.device_plan_bytes`). Their gradients come later, in the
+    backward, and the plan does not count them (docs/plan.md, "Not modelled").
     """
 
     slot_bytes: int

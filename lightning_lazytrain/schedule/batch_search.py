@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .feasibility import plan_exists
-from .forecast import Forecast, Machine, RunSpec, forecast, gpu_total_bytes, plan, problem_for
+from .forecast import Forecast, Machine, RunSpec, forecast, plan, plan_inputs, problem_for
 from .milp_memory import plan_gpu_bytes
+from .plan_inputs import gpu_total_bytes
 from .profile import Profile
 
 MAX_BATCH = 1 << 14
@@ -24,10 +25,10 @@ def admits(run: RunSpec, machine: Machine, batch: int, profile_for: Callable[[in
         problem = problem_for(run, machine, profile_for(batch))
     except ValueError:  # more forced graphs than layers: no batch fits
         return False
-    if run.schedule.strip() != "milp":
+    if run.plan_settings.kind() != "milp":
         schedule = plan(run, problem)
-        return plan_gpu_bytes(problem, schedule.tiers, schedule.keep_graph, schedule.mlp_recompute) <= (
-            gpu_total_bytes(run, machine)
+        return plan_gpu_bytes(problem, schedule.homes, schedule.keep_graph, schedule.mlp_recompute) <= (
+            gpu_total_bytes(plan_inputs(run, machine)) or 0
         )
     return plan_exists(problem)
 

@@ -20,16 +20,16 @@ from .problem import ScheduleProblem
 _HOME_VARS = {"gpu": "g", "cpu": "c", "nvme": "n"}
 
 
-def predicted_exposure(problem: ScheduleProblem, tiers: list[str], keep_graph: list[bool] | None = None,
+def predicted_exposure(problem: ScheduleProblem, homes: list[str], keep_graph: list[bool] | None = None,
                        mlp_recompute: list[bool] | None = None) -> dict:
-    """``{"recompute_seconds", "slack_seconds", "exposed_seconds"}`` of the plan ``tiers`` (one home per boundary,
-    as ``Schedule.tiers``) with ``keep_graph`` and ``mlp_recompute`` per layer (default none kept)."""
+    """``{"recompute_seconds", "slack_seconds", "exposed_seconds"}`` of the plan ``homes`` (one home per boundary,
+    as ``Schedule.homes``) with ``keep_graph`` and ``mlp_recompute`` per layer (default none kept)."""
     n = problem.num_layers
-    if len(tiers) != n + 1 or tiers[0] == "recompute" or tiers[n] == "recompute":
-        raise ValueError(f"a plan for {n} layers needs {n + 1} homes with boundaries 0 and L kept, got {tiers}")
+    if len(homes) != n + 1 or homes[0] == "recompute" or homes[n] == "recompute":
+        raise ValueError(f"a plan for {n} layers needs {n + 1} homes with boundaries 0 and L kept, got {homes}")
     keep = list(keep_graph or [False] * n)
     partial = list(mlp_recompute or [False] * n)
-    saved = [i for i, t in enumerate(tiers) if t != "recompute"]
+    saved = [i for i, t in enumerate(homes) if t != "recompute"]
     blocks = set(zip(saved[:-1], saved[1:]))
     longest = max(e - s for s, e in blocks)
     big = 1 << 62
@@ -45,7 +45,7 @@ def predicted_exposure(problem: ScheduleProblem, tiers: list[str], keep_graph: l
         m.x[s, e].fix(1 if (s, e) in blocks else 0)
     for i in m._inner:
         for home, name in _HOME_VARS.items():
-            getattr(m, name)[i].fix(1 if tiers[i] == home else 0)
+            getattr(m, name)[i].fix(1 if homes[i] == home else 0)
     for j in m.k:
         m.k[j].fix(1 if keep[j] and not partial[j] else 0)
     for j in m.r:
@@ -54,7 +54,7 @@ def predicted_exposure(problem: ScheduleProblem, tiers: list[str], keep_graph: l
     opt.config.stream_solver = False
     res = opt.solve(m)
     if res.termination_condition != TerminationCondition.optimal:
-        raise RuntimeError(f"the transfer LP of plan {tiers} ended {res.termination_condition.name}")
+        raise RuntimeError(f"the transfer LP of plan {homes} ended {res.termination_condition.name}")
     recompute = sum(problem.recompute_seconds(s, e) for s, e in blocks)
     slack = float(pyo.value(m.slack))
     return {"recompute_seconds": recompute, "slack_seconds": slack, "exposed_seconds": recompute + slack}

@@ -1,12 +1,13 @@
 """Will a run fit, and how fast will it step? Admission, the plan and a step time for one batch, before any load.
 
 Everything here reads shapes only, so the model can live on the meta device. The plan is the one the strategy
-solves at its first batch (`lightning_lazytrain.planner.solve_plan`), built by the same `plan_problem`: the device
-memory the plan may use is the GPU's less the resident embedding/head copy the executor holds when the planner
-measures what is free, less the same margin (`gpu_total_bytes`); the MILP takes the weight slots, kept graphs,
-MLP re-runs and the per-layer working set of the profile out of it. The other budgets are the user's figures,
-else a quarter of the host RAM left after the run's own pieces and 80% of the spill dir's free space. The GPU tier
-of the report is that memory model, piece by piece, so it fits exactly when the MILP's device row holds.
+solves at its first batch (`lightning_lazytrain.planning.solve.solve_plan`), from the same `PlanInputs`
+(`plan_inputs.py`): the device memory the plan may use is the GPU's less the resident embedding/head copy the
+executor holds when the planner measures what is free, less the same margin (`gpu_total_bytes`); the MILP takes
+the weight slots, kept graphs, MLP re-runs and the per-layer working set of the profile out of it. The other
+budgets are the user's figures, else a quarter of the host RAM left after the run's own pieces and 80% of the
+spill dir's free space. The GPU tier of the report is that memory model, piece by piece, so it fits exactly when
+the MILP's device row holds.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from .frozen_base import BaseCounts, count_base
 from .gpus import GpuSpec
 from .milp import InfeasibleScheduleError, solve
 from .milp_memory import plan_gpu_pieces
-from .plan_problem import head_grad_sum_bytes, plan_problem, plan_total_bytes, run_micro_batches
+from .plan_inputs import PlanInputs, PlanSettings, budgets, gpu_total_bytes
+from .plan_inputs import problem_for as inputs_problem
+from .plan_problem import head_grad_sum_bytes
 from .problem import GIB, ScheduleProblem
 from .profile import Profile
 from .step_time import StepPrediction, predict_step
@@ -61,7 +64,7 @@ class RunSpec:
     grad_accumulation: bool = False
     world_size: int = 1
     ranks_per_host: int = 1
-    schedule: str = "interval:1"
+    schedule: str = "auto"  # a forecast is for a GPU: "auto" is the MILP there (`PlanSettings.on_device`)
     keep_graph_layers: int = 0
     prefetch_depth: int = 2
     gpu_activation_gib: float | None = None
@@ -77,6 +80,22 @@ class RunSpec:
     fused_kernels: str = "auto"  # "auto": Liger's kernels when liger-kernel is installed here, as the run would
     gradient_home: str = "plan"  # where the gradients wait for the norm (`gradient_home.py`)
     quantize: str = "none"  # "nf4" / "fp4": the frozen linear weights of the decoder layers are 4-bit (QLoRA)
+
+    @property
+    def plan_settings(self) -> PlanSettings:
+        """The plan arguments as the strategy holds them, on the GPU the forecast is for."""
+        return PlanSettings(
+            self.schedule,
+            self.keep_graph_layers,
+            self.gpu_activation_gib,
+            self.cpu_activation_gib,
+            self.nvme_activation_gib,
+            self.spill_dir,
+            self.max_recompute_span,
+            self.solver_time_limit,
+            self.solver_mip_gap,
+            self.layer_micro_batches,
+        ).on_device("cuda")
 
     @property
     def stream_dtype(self) -> torch.dtype:
@@ -198,65 +217,42 @@ def gradient_home(run: RunSpec, machine: Machine) -> str:
     return choose_gradient_home(gradient_bytes(run), left, device, run.spill_dir)
 
 
-def gpu_total_bytes(run: RunSpec, machine: Machine) -> int:
-    """Device bytes the strategy's plan may use on ``machine`` (`planner.gpu_total_bytes` at the first batch): the
-    GPU's memory less the executor's resident embedding/norm/head copy, the one piece it holds outside the plan
-    when the free memory is measured (its slot pool is added back), less the gradients of a device home (the
-    strategy's reserve), less the allocator's margin."""
+def plan_inputs(run: RunSpec, machine: Machine) -> PlanInputs:
+    """The inputs the strategy's planner measures at the first batch (`planning.solve.executor_inputs`), for
+    ``machine``: the device memory is the GPU's less the executor's resident embedding/norm/head copy, the one
+    piece it holds outside the plan when the free memory is measured (its slot pool is added back), less the
+    gradients of a device home (the strategy's reserve); the host RAM the CPU budget is a quarter of is what is
+    left after the run's own pieces."""
+    layout = gpu_layout(run.adapter, run.stream_dtype)
     reserve = gradient_bytes(run) if gradient_home(run, machine) == "device" else 0
-    resident = gpu_layout(run.adapter, run.stream_dtype).resident_copy_bytes
-    return plan_total_bytes(machine.gpu.memory_bytes - resident - reserve)
-
-
-def budgets(run: RunSpec, machine: Machine) -> tuple[int, int, int]:
-    """(gpu, cpu, nvme) activation budgets in bytes, as `planner.budgets` sets them: the user's figures, else the
-    device memory the plan may use, a quarter of the host RAM left after the run's own pieces and 80% of the
-    spill dir's free space."""
-    gpu = int(run.gpu_activation_gib * GIB) if run.gpu_activation_gib is not None else gpu_total_bytes(run, machine)
     host_need = _host_report(run, machine).tiers["host"].need
-    cpu = (
-        int(run.cpu_activation_gib * GIB)
-        if run.cpu_activation_gib is not None
-        else max(0, machine.host_available_bytes - host_need) // 4
-    )
-    if run.spill_dir is None:
-        nvme = 0
-    elif run.nvme_activation_gib is not None:
-        nvme = int(run.nvme_activation_gib * GIB)
-    else:
-        nvme = int(machine.disk_free_bytes * 0.8)
-    return gpu, cpu, nvme
-
-
-def problem_for(run: RunSpec, machine: Machine, profile: Profile) -> ScheduleProblem:
-    """The problem `planner.solve_plan` would build on ``machine`` for ``profile``."""
-    gpu, cpu, nvme = budgets(run, machine)
-    return plan_problem(
-        profile,
-        gpu,
-        cpu,
-        nvme,
-        total_bytes=gpu_total_bytes(run, machine),
-        slot_bytes=run.slot_bytes,
+    return PlanInputs(
+        run.plan_settings,
+        device_bytes=machine.gpu.memory_bytes - layout.resident_copy_bytes - reserve,
+        host_bytes=max(0, machine.host_available_bytes - host_need),
+        disk_bytes=machine.disk_free_bytes,
+        slot_bytes=layout.slot_bytes,
         prefetch_depth=run.prefetch_depth,
         loss_chunk_bytes=LOSS_CHUNK_BYTES,
         head_grad_bytes=head_grad_sum_bytes(run.adapter.lm_head),
-        max_recompute_span=run.max_recompute_span,
-        keep_graph_layers=run.keep_graph_layers,
-        micro_batches=run_micro_batches(run.schedule, run.layer_micro_batches),
     )
+
+
+def problem_for(run: RunSpec, machine: Machine, profile: Profile) -> ScheduleProblem:
+    """The problem `planning.solve.solve_plan` would build on ``machine`` for ``profile``."""
+    return inputs_problem(plan_inputs(run, machine), profile)
 
 
 def plan(run: RunSpec, problem: ScheduleProblem) -> Schedule:
     """The MILP's plan for ``problem``, or the interval / JSON plan the run names, charged its re-forwards."""
-    kind = run.schedule.strip()
-    if kind == "milp":
-        return solve(problem, time_limit=run.solver_time_limit, mip_gap=run.solver_mip_gap)
-    if kind.endswith(".json"):
-        with open(kind) as f:
+    settings = run.plan_settings
+    if settings.kind() == "milp":
+        return solve(problem, time_limit=settings.solver_time_limit, mip_gap=settings.solver_mip_gap)
+    if settings.kind() == "json":
+        with open(settings.schedule) as f:
             schedule = Schedule.from_json(f.read())
     else:
-        schedule = Schedule.every(problem.num_layers, int(kind.split(":")[1]), run.keep_graph_layers)
+        schedule = Schedule.every(problem.num_layers, int(settings.schedule.split(":")[1]), run.keep_graph_layers)
         schedule.micro_batches = problem.micro_batches
     schedule.predicted_exposed_seconds = sum(problem.recompute_seconds(s, e) for s, e in schedule.blocks())
     return schedule
@@ -266,7 +262,7 @@ def _gpu_pieces(run: RunSpec, machine: Machine, problem: ScheduleProblem, schedu
     """The GPU tier's pieces for ``schedule``: the resident copy, the margin, and what the MILP's device row
     charges the plan; their sum is at most the GPU's memory exactly when that row holds."""
     resident = gpu_layout(run.adapter, run.stream_dtype).resident_copy_bytes
-    charged = plan_gpu_pieces(problem, schedule.tiers, schedule.keep_graph, schedule.mlp_recompute)
+    charged = plan_gpu_pieces(problem, schedule.homes, schedule.keep_graph, schedule.mlp_recompute)
     reserve = gradient_bytes(run) if gradient_home(run, machine) == "device" else 0
     available = max(0, machine.gpu.memory_bytes - resident - reserve)
     return dict(
@@ -275,7 +271,7 @@ def _gpu_pieces(run: RunSpec, machine: Machine, problem: ScheduleProblem, schedu
         gpu_graph_bytes=charged["graphs"],
         gpu_workspace_bytes=charged["peak"],
         gpu_activation_bytes=charged["boundaries"],
-        gpu_margin_bytes=available - gpu_total_bytes(run, machine),
+        gpu_margin_bytes=available - (gpu_total_bytes(plan_inputs(run, machine)) or 0),
     )
 
 
@@ -289,12 +285,12 @@ def forecast(run: RunSpec, machine: Machine, batch: int, profile_for: Callable[[
     except (ValueError, RuntimeError) as exc:  # no plan fits (InfeasibleScheduleError), a bad setting, none found
         notes = [str(exc)]
         if isinstance(exc, InfeasibleScheduleError) and exc.saved_boundaries and run.cpu_activation_gib is None:
-            cpu = budgets(run, machine)[1]
+            cpu = budgets(plan_inputs(run, machine))[1]
             notes.append(f"the CPU budget, {cpu / GIB:.3f} GiB, is a quarter of the {4 * cpu / GIB:.1f} GiB of host "
                          "RAM left after the run's own pieces: cpu_activation_gib sets it")
         return Forecast(batch, _host_report(run, machine), scaling=scaling, notes=notes)
     sizes = dict.fromkeys(("gpu", "cpu", "nvme", "recompute"), 0)
-    for a, tier in zip(profile.activation_bytes, schedule.tiers):
+    for a, tier in zip(profile.activation_bytes, schedule.homes):
         sizes[tier] += a
     report = _host_report(
         run, machine, cpu_act=sizes["cpu"], disk=sizes["nvme"], gpu=_gpu_pieces(run, machine, problem, schedule)

@@ -196,12 +196,12 @@ def _val(v) -> float:
 
 def _extract(p: ScheduleProblem, m: pyo.ConcreteModel, res, status: str, t_build: float, t_total: float) -> Schedule:
     n = p.num_layers
-    tiers = ["recompute"] * (n + 1)
-    tiers[0] = tiers[n] = "gpu"
+    homes = ["recompute"] * (n + 1)
+    homes[0] = homes[n] = "gpu"
     for i in m._inner:
         for name in ("g", "c", "n"):
             if _val(getattr(m, name)[i]) > 0.5:
-                tiers[i] = {"g": "gpu", "c": "cpu", "n": "nvme"}[name]
+                homes[i] = {"g": "gpu", "c": "cpu", "n": "nvme"}[name]
     obj = float(res.best_feasible_objective)
     bound = res.best_objective_bound
     gap = 0.0 if bound is None or obj == 0 else max(0.0, (obj - float(bound)) / abs(obj))
@@ -210,17 +210,17 @@ def _extract(p: ScheduleProblem, m: pyo.ConcreteModel, res, status: str, t_build
     graphs = held_graph_bytes(p, keep_graph, mlp_recompute)
     # Re-check the budgets in exact integer bytes: the solver works in GiB floats with a feasibility tolerance.
     for tier, budget in (("gpu", p.gpu_budget_bytes), ("cpu", p.cpu_budget_bytes), ("nvme", p.nvme_budget_bytes)):
-        used = sum(b for b, t in zip(p.activation_bytes, tiers, strict=True) if t == tier)
+        used = sum(b for b, t in zip(p.activation_bytes, homes, strict=True) if t == tier)
         used += graphs if tier == "gpu" else 0
         if used > budget:
             raise RuntimeError(f"solver plan puts {used} B on {tier} over its {budget} B budget (round-off); "
                                f"lower the {tier} budget by a few KiB")
-    pieces = plan_gpu_pieces(p, tiers, keep_graph, mlp_recompute)
+    pieces = plan_gpu_pieces(p, homes, keep_graph, mlp_recompute)
     gpu_bytes = sum(pieces.values())
     if p.gpu_total_bytes is not None and gpu_bytes > p.gpu_total_bytes:
         raise RuntimeError(f"solver plan needs {gpu_bytes} B of GPU memory over the {p.gpu_total_bytes} B the "
                            f"device has for it (round-off); lower gpu_total_bytes by a few KiB")
-    sched = Schedule(tiers=tiers, objective=obj, status=status, keep_graph=keep_graph,
+    sched = Schedule(homes=homes, objective=obj, status=status, keep_graph=keep_graph,
                      max_recompute_span=p.max_recompute_span, mlp_recompute=mlp_recompute,
                      micro_batches=p.micro_batches)
     recompute = sum(p.recompute_seconds(s, e) for s, e in sched.blocks())
@@ -232,6 +232,6 @@ def _extract(p: ScheduleProblem, m: pyo.ConcreteModel, res, status: str, t_build
                   "solve_seconds": round(t_total, 4),
                   "num_binaries": len(m._edges) + 3 * len(m._inner) + len(m.k) + len(m.r),
                   "kept_graph_seconds": _val(m.graph_saving), "gpu_bytes": gpu_bytes, "gpu_pieces": pieces}
-    log.info("schedule solved: %s in %.2f s (gap %.4f), exposed %.4f s, tiers %s", status, t_total, gap,
+    log.info("schedule solved: %s in %.2f s (gap %.4f), exposed %.4f s, homes %s", status, t_total, gap,
              sched.predicted_exposed_seconds, sched.counts())
     return sched

@@ -70,24 +70,24 @@ def held_graph_bytes(p: ScheduleProblem, keep_graph: list[bool], mlp_recompute: 
     return sum((part if r else whole)[j] for j, (k, r) in enumerate(zip(keep_graph, partial, strict=True)) if k)
 
 
-def plan_gpu_pieces(p: ScheduleProblem, tiers: list[str], keep_graph: list[bool],
+def plan_gpu_pieces(p: ScheduleProblem, homes: list[str], keep_graph: list[bool],
                     mlp_recompute: list[bool] | None = None) -> dict[str, int]:
     """The GPU bytes the rows above charge a plan, by piece: its GPU-homed boundaries (0 and L included), kept
     graphs, the slots held through the step (prefetch and kept graphs) and the peak (the largest block's slots,
     rebuilt boundaries and working set, or the head's working set)."""
-    saved = [i for i, t in enumerate(tiers) if t != "recompute"]
+    saved = [i for i, t in enumerate(homes) if t != "recompute"]
     return {
-        "boundaries": sum(b for b, t in zip(p.activation_bytes, tiers, strict=True) if t == "gpu"),
+        "boundaries": sum(b for b, t in zip(p.activation_bytes, homes, strict=True) if t == "gpu"),
         "graphs": held_graph_bytes(p, keep_graph, mlp_recompute),
         "slots": p.slot_bytes * (p.fixed_slots + sum(keep_graph)),
         "peak": max([p.head_peak_bytes] + [p.block_peak_bytes(s, e) for s, e in zip(saved[:-1], saved[1:])]),
     }
 
 
-def plan_gpu_bytes(p: ScheduleProblem, tiers: list[str], keep_graph: list[bool],
+def plan_gpu_bytes(p: ScheduleProblem, homes: list[str], keep_graph: list[bool],
                    mlp_recompute: list[bool] | None = None) -> int:
     """The GPU bytes the rows above charge a plan (`plan_gpu_pieces` summed)."""
-    return sum(plan_gpu_pieces(p, tiers, keep_graph, mlp_recompute).values())
+    return sum(plan_gpu_pieces(p, homes, keep_graph, mlp_recompute).values())
 
 
 def memory_shortfall(p: ScheduleProblem) -> str | None:

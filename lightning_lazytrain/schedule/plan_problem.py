@@ -1,10 +1,11 @@
 """The memory-aware placement problem the strategy solves at its first batch, built once for the run and the forecast.
 
-`lightning_lazytrain.planner.solve_plan` (the run, with the executor's numbers) and `forecast` (shapes only) both
-build their problem here, so the forecast plans as the run does: the device memory the whole plan may use
-(`plan_total_bytes`), one weight slot's bytes, ``max(1, prefetch_depth)`` slots every plan holds, the head's working
-set, and the graphs of the last ``keep_graph_layers`` layers kept. The MILP takes the slots, kept graphs and each
-block's working set out of the total (`milp_memory.py`); the GPU activation budget is the user's, capped by it.
+`lightning_lazytrain.planning.solve.solve_plan` (the run, with the executor's numbers) and `forecast` (shapes only)
+both build their problem here (through `plan_inputs.problem_for`), so the forecast plans as the run does: the
+device memory the whole plan may use (`plan_total_bytes`), one weight slot's bytes, ``max(1, prefetch_depth)``
+slots every plan holds, the head's working set, and the graphs of the last ``keep_graph_layers`` layers kept. The
+MILP takes the slots, kept graphs and each block's working set out of the total (`milp_memory.py`); the GPU
+activation budget is the user's, capped by it.
 """
 
 from __future__ import annotations

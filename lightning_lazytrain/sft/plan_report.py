@@ -28,8 +28,8 @@ def _plan_lines(f: dict, seq: int, world: int, peak_tflops: float, device: str) 
     s = f["schedule"]
     if s is None:
         return ["  no plan fits (see the notes)"]
-    tiers = s["tiers"]
-    counts = ", ".join(f"{t} {tiers.count(t)}" for t in ("gpu", "cpu", "nvme", "recompute"))
+    homes = s["homes"]
+    counts = ", ".join(f"{t} {homes.count(t)}" for t in ("gpu", "cpu", "nvme", "recompute"))
     solve = s["info"].get("solve_seconds")
     how = f"{s['status']}" + (f" in {solve:.2f} s, gap {s['info'].get('mip_gap', 0):.4f}" if solve is not None else "")
     p = f["prediction"]
@@ -39,7 +39,7 @@ def _plan_lines(f: dict, seq: int, world: int, peak_tflops: float, device: str) 
     sliced = f"; each layer in {slices} row slices ({-(-f['batch'] // slices)} rows at most)" if slices > 1 else ""
     return [
         f"  plan ({how}): boundaries {counts}; graphs kept {sum(s['keep_graph'])}{sliced}",
-        "  homes (G gpu, C cpu, N nvme, r recompute): " + "".join(_LETTER[t] for t in tiers),
+        "  homes (G gpu, C cpu, N nvme, r recompute): " + "".join(_LETTER[t] for t in homes),
         f"  predicted step {p['step_s']:.3g} s = forward {p['forward_s']:.3g} + backward {p['backward_s']:.3g} + "
         f"head {p['head_s']:.3g} + exposed {p['exposed_s']:.3g} + update {p['update_s']:.3g}; "
         f"{f['model_tflops']:.1f} model-TFLOPS per {device}{mfu}, {tokens:,.0f} tokens/s",

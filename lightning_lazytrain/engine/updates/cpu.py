@@ -18,7 +18,7 @@ import torch
 
 from lightning_lazytrain.engine.device import host_wait
 from lightning_lazytrain.engine.grads.handoff import HandoffSink
-from lightning_lazytrain.engine.updates.device import CopiedOut, DeviceUpdatePath
+from lightning_lazytrain.engine.updates.device import CopiedOut, DeviceUpdateQueue
 from lightning_lazytrain.engine.weights.layout import ParamUnit
 from lightning_lazytrain.engine.weights.versions import WeightVersions
 from lightning_lazytrain.optim import managed_ids
@@ -98,30 +98,30 @@ class UnitUpdateQueue:
 
 
 class UpdateQueue(UnitUpdateQueue):
-    """Units updated by ``optimizer.step_params`` on the CPU worker; with a ``DeviceUpdatePath``, the units it
+    """Units updated by ``optimizer.step_params`` on the CPU worker; with a ``DeviceUpdateQueue``, the units it
     holds are queued on the GPU's streams by the main thread as the step is scheduled, and run beside the CPU's."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, versions: WeightVersions, sink: HandoffSink,
-                 timeout_s: float, device_path: DeviceUpdatePath | None = None) -> None:
+                 timeout_s: float, device_queue: DeviceUpdateQueue | None = None) -> None:
         super().__init__(optimizer, versions, sink, timeout_s)
         managed = managed_ids(optimizer)
         self._params = {
             u.index: [(i, e.param) for i, e in enumerate(u.unique) if id(e.param) in managed] for u in self.units
         }
-        self.device_path = device_path
+        self.device_queue = device_queue
 
-    def schedule(self, clip_coef: float) -> None:
+    def enqueue(self, clip_coef: float) -> None:
         self._submit(clip_coef)
 
     def wait_all(self) -> None:
         super().wait_all()
-        if self.device_path is not None:
-            self.device_path.drain()  # resident units' masters and states are written back once their jobs end
+        if self.device_queue is not None:
+            self.device_queue.drain()  # resident units' masters and states are written back once their jobs end
 
     def host_state_changed(self) -> None:
         super().wait_all()  # not drained: the load's host tensors win over what the device holds
-        if self.device_path is not None:
-            self.device_path.host_state_changed()
+        if self.device_queue is not None:
+            self.device_queue.host_state_changed()
 
     def _chosen(self, unit: ParamUnit) -> list[tuple[int, torch.Tensor]]:
         return [(i, p) for i, p in self._params[unit.index] if p.requires_grad]
@@ -130,12 +130,12 @@ class UpdateQueue(UnitUpdateQueue):
         handoff = self.sink.of(unit)
         if handoff.pieces is not None:  # a staged gradient home: its pieces are staged ahead of the job
             self.sink.stage(unit)
-        if not handoff.on_device or self.device_path is None:
+        if not handoff.on_device or self.device_queue is None:
             return super()._start(unit, coef, lr_of)
         start = time.perf_counter()
         chosen = self._chosen(unit)
         kept, handoff.kept = handoff.kept or [None] * len(unit.unique), None
-        pending = self.device_path.launch(unit, [p for _, p in chosen], [kept[i] for i, _ in chosen], handoff.ready,
+        pending = self.device_queue.launch(unit, [p for _, p in chosen], [kept[i] for i, _ in chosen], handoff.ready,
                                           coef, lr_of)
         self.versions.written(unit)  # readers wait for ``pending`` before they read the new version
         self._add_busy(unit, start)
@@ -182,8 +182,8 @@ class UpdateQueue(UnitUpdateQueue):
         self.optimizer.step_params([p for _, p in chosen], clip_coef, grads, lr_of)
 
     def _close_paths(self) -> None:
-        if self.device_path is not None:
-            self.device_path.close()
+        if self.device_queue is not None:
+            self.device_queue.close()
 
 
 def covered_seconds(intervals: list[tuple[float, float]]) -> float:

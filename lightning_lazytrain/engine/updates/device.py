@@ -100,7 +100,7 @@ class _ParamViews:
                 and all(host.get(name) is t for name, t in states.items()))
 
 
-class DeviceUpdatePath:
+class DeviceUpdateQueue:
     """Queues the updates of ``units`` (those assigned to the device) from the main thread; ``resident``: masters
     and states stay on the device between steps (module docstring)."""
 

@@ -3,7 +3,7 @@
 ``optim.triton_adamw.fused_step`` (one Triton kernel per parameter, allocating nothing) on CUDA where Triton is
 installed and the kernel knows the state layout (``optim.state_layout.fused_layout``), else the torch reference
 ``optim.reference.reference_step`` (same arguments, same math, about twenty kernels and their temporaries). The
-plan's budget leaves room for the largest update's peak (``updates/placement.py``).
+plan's budget leaves room for the largest update's peak (`lightning_lazytrain/planning/update_placement.py`).
 """
 
 from __future__ import annotations

@@ -22,9 +22,9 @@ from lightning_lazytrain.engine.grads.homes import HOST_HEADROOM_SHARE, choose_g
 from lightning_lazytrain.engine.grads.host import GradSink
 from lightning_lazytrain.engine.grads.sharded import ShardedGradSink
 from lightning_lazytrain.engine.updates.cpu import UpdateQueue
-from lightning_lazytrain.engine.updates.device import DeviceUpdatePath
-from lightning_lazytrain.engine.updates.placement import DeviceUpdates, assign_device_updates
+from lightning_lazytrain.engine.updates.device import DeviceUpdateQueue
 from lightning_lazytrain.engine.updates.sharded import ShardedUpdateQueue
+from lightning_lazytrain.engine.updates.traffic import DevicePlacement
 from lightning_lazytrain.engine.weights.shared_store import SharedParamStore
 from lightning_lazytrain.engine.weights.store import HostParamStore
 from lightning_lazytrain.optim import NonFiniteGuard, clip_coefficient, managed_ids
@@ -44,8 +44,8 @@ class UpdatePath:
     @property
     def device_held_bytes(self) -> int:
         """Device memory the device-side updates took at setup (homes or staging buffers)."""
-        device_path = getattr(self.updates, "device_path", None)
-        return device_path.held_bytes if device_path is not None else 0
+        device_queue = getattr(self.updates, "device_queue", None)
+        return device_queue.held_bytes if device_queue is not None else 0
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -60,7 +60,7 @@ class UpdatePath:
             self.sink.forget()
             return False
         coef = clip_coefficient(norm_sq, clip_val) if clip_val else 1.0
-        self.updates.schedule(coef)
+        self.updates.enqueue(coef)
         return True
 
     def wait(self) -> None:
@@ -109,18 +109,17 @@ def host_path(store: HostParamStore, queues: DeviceQueues, staging_numel: int, t
 
 
 def direct_path(store: HostParamStore, queues: DeviceQueues, optimizer: torch.optim.Optimizer,
-                device_updates: DeviceUpdates, timeout_s: float, gradient_home: str = "host",
+                placement: DevicePlacement, timeout_s: float, gradient_home: str = "host",
                 spill_dir: str | None = None) -> UpdatePath:
     """The engine runs ``optimizer.step_params`` per unit from bf16 gradients, off the main thread.
 
-    ``device_updates``: the share of parameters whose update runs on the GPU beside the CPU's
-    (``updates/placement.py``; ``None`` picks it from the measured CPU update and link rates on CUDA and is 0 on the
-    CPU), and whether their masters and states stay on the device between steps. ``gradient_home``: where the
-    other units' gradients wait for the norm (``grads/homes.py``; ``"plan"``: the one that fits this host).
+    ``placement``: which units' update runs on the GPU beside the CPU's, as the plan side chose it
+    (`lightning_lazytrain.planning.update_placement`), and whether their masters and states stay on the device
+    between steps. ``gradient_home``: where the other units' gradients wait for the norm (``grads/homes.py``;
+    ``"plan"``: the one that fits this host).
     """
     units = store.units
-    on_device, reserve, resident = assign_device_updates(units, optimizer, device_updates, queues.device,
-                                                         store.stream_dtype.itemsize)
+    on_device, reserve, resident = placement.on_device, placement.reserve_bytes, placement.resident
     if gradient_home == "plan":
         gradient_home = planned_gradient_home(store, queues.device, on_device, spill_dir)
     sink = DirectGradSink(store, queues, store.stream_dtype, on_device, gradient_home, spill_dir, timeout_s)
@@ -132,8 +131,8 @@ def direct_path(store: HostParamStore, queues: DeviceQueues, optimizer: torch.op
                 if id(e.param) in managed:
                     optimizer.register_stream_copy(e.param, unit.stream[e.offset : e.offset + e.numel].view(e.shape))
     device_units = [u for u, flag in zip(units, on_device, strict=True) if flag]
-    device_path = DeviceUpdatePath(optimizer, device_units, queues, timeout_s, resident) if device_units else None
-    return UpdatePath(sink, UpdateQueue(optimizer, store.versions, sink, timeout_s, device_path), reserve)
+    device_queue = DeviceUpdateQueue(optimizer, device_units, queues, timeout_s, resident) if device_units else None
+    return UpdatePath(sink, UpdateQueue(optimizer, store.versions, sink, timeout_s, device_queue), reserve)
 
 
 def planned_gradient_home(store: HostParamStore, device: torch.device, on_device: list[bool],

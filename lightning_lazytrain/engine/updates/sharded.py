@@ -81,7 +81,7 @@ class ShardedUpdateQueue(UnitUpdateQueue):
         for mine, theirs in zip(self.optimizer.param_groups, self.user.param_groups):
             theirs.update({k: v for k, v in mine.items() if k != "params"})
 
-    def schedule(self, clip_coef: float) -> None:
+    def enqueue(self, clip_coef: float) -> None:
         self.sync_hyperparameters()
         coef = clip_coef / self.store.topology.world_size  # the reduce-scatter summed; this makes it the mean
         self._submit(coef)

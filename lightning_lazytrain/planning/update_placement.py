@@ -1,9 +1,12 @@
 """Which units' optimizer updates run on the GPU beside the CPU's, so the update that follows a backward ends sooner.
 
+The decision is the plan side's: the engine gets its result (`engine.updates.traffic.DevicePlacement`) through
+`engine.updates.paths.direct_path`, and imports nothing from here.
+
 With gradient clipping no update may start before the whole backward has given the norm, and the next forward
 needs layer ``i`` updated before it runs: the CPU update is exposed wherever it is longer than the next forward.
 The GPU is nearly idle then and the link has room, so a share of the units is updated there
-(``updates/device.py``): it moves ``master + states`` bytes in and ``master + states + stream copy`` bytes out per
+(`engine/updates/device.py`): it moves ``master + states`` bytes in and ``master + states + stream copy`` bytes out per
 parameter, pipelined so that both directions of the link stay busy; the GPU arithmetic is negligible beside that.
 
 Which units: in the order the next forward needs them, each unit goes to the path (CPU worker or device worker)
@@ -18,7 +21,7 @@ It is the strategy's default, so off CUDA (``PLANNED_DEVICE_TYPES``) it places n
 CPU there, and every run on the CPU accelerator would otherwise time a scratch update at setup and send units
 through the torch reference on copies. A fixed share still runs there (a test of the control flow).
 
-``states="resident"`` keeps a device unit's masters and states on the GPU between steps (``updates/device.py``):
+``states="resident"`` keeps a device unit's masters and states on the GPU between steps (`engine/updates/device.py`):
 its update then moves only the stream copy out (masters and states are written back when the queue is drained),
 so the split above sees a much cheaper device. ``"auto"`` does so on CUDA for as many of the chosen units, in
 forward order, as fit in ``RESIDENT_SHARE_OF_FREE`` of the free device memory (the rest go back to the CPU worker),
@@ -34,9 +37,12 @@ from typing import Literal
 import torch
 
 from lightning_lazytrain.engine.device import device_free_bytes
-from lightning_lazytrain.engine.updates.device import staging_bytes
-from lightning_lazytrain.engine.updates.device_kernel import update_work_bytes
+from lightning_lazytrain.engine.link import measure_link_cuda
+from lightning_lazytrain.engine.updates.traffic import DevicePlacement, UnitTraffic, unit_traffic
 from lightning_lazytrain.engine.weights.layout import ParamUnit
+from lightning_lazytrain.optim.update_rate import time_update
+from lightning_lazytrain.schedule.milp_updates import UpdateProblem, solve_updates
+from lightning_lazytrain.schedule.profile import H200_D2H, H200_DUPLEX, H200_H2D
 
 log = logging.getLogger(__name__)
 PLANNED_DEVICE_TYPES = ("cuda",)  # where share="plan" asks the MILP; elsewhere every update stays on the CPU
@@ -54,32 +60,6 @@ class DeviceUpdates:
 
     share: float | Literal["plan"] | None = 0.0
     states: DeviceStates = "auto"
-
-
-@dataclass
-class UnitTraffic:
-    numel: int
-    h2d_bytes: int
-    d2h_bytes: int
-    grad_bytes: int
-    work_bytes: int = 0  # device bytes at the peak of its largest parameter's update (``update_work_bytes``)
-    home_bytes: int = 0  # device bytes its masters and states take when they stay there (``staging_bytes``)
-
-
-def unit_traffic(unit: ParamUnit, optimizer: torch.optim.Optimizer, stream_itemsize: int, resident: bool,
-                 device: torch.device) -> UnitTraffic:
-    """Bytes the device path moves for ``unit`` before the next forward may stream it (``resident``: only the
-    stream copy out), the device bytes its kept gradients hold, and its update's peak on ``device``."""
-    h2d = d2h = numel = work = 0
-    for e in unit.unique:
-        states = sum(t.numel() * t.element_size() for t in optimizer.state_tensors(e.param))
-        master = e.numel * e.param.element_size()
-        copy = e.numel * 2 if e.param.dtype != torch.bfloat16 else 0
-        h2d += 0 if resident else master + states
-        d2h += (copy or master) if resident else master + states + copy
-        numel += e.numel
-        work = max(work, update_work_bytes(e.param, optimizer.state.get(e.param, {}), device))
-    return UnitTraffic(numel, h2d, d2h, numel * stream_itemsize, work, staging_bytes(unit, optimizer))
 
 
 def split_units(traffic: list[UnitTraffic], cpu_params_per_s: float, h2d_bytes_per_s: float,
@@ -112,18 +92,14 @@ def split_by_share(traffic: list[UnitTraffic], share: float) -> list[bool]:
 def measure_cpu_update_rate(optimizer: torch.optim.Optimizer, numel: int = 1 << 25) -> float:
     """Parameters per second of ``optimizer``'s CPU update on a scratch tensor, in the engine's configuration
     (bf16 gradient, clip coefficient, bf16 stream copy), with its 8-bit setting for large tensors."""
-    from lightning_lazytrain.optim.update_rate import time_update
-
     eight_bit = any(optimizer.is_8bit(p) for g in optimizer.param_groups for p in g["params"])
     return time_update(eight_bit, getattr(optimizer, "num_threads", None), numel)
 
 
 def update_problem(traffic: list[UnitTraffic], cpu_params_per_s: float, h2d_bytes_per_s: float,
-                   d2h_bytes_per_s: float):
+                   d2h_bytes_per_s: float) -> UpdateProblem:
     """The MILP's inputs for ``traffic`` (forward order): CPU seconds from the update rate, device seconds from the
     link (as ``split_units``), each unit's next forward as its weight copy (``grad_bytes``: stream-dtype bytes)."""
-    from lightning_lazytrain.schedule.milp_updates import UpdateProblem
-
     return UpdateProblem(
         cpu_seconds=[t.numel / cpu_params_per_s for t in traffic],
         device_seconds=[max(t.h2d_bytes / h2d_bytes_per_s, t.d2h_bytes / d2h_bytes_per_s) for t in traffic],
@@ -142,8 +118,8 @@ def check_device_updates(share: float | str | None, states: str = "auto") -> Dev
     return DeviceUpdates(share, states)  # type: ignore[arg-type]
 
 
-def assign_device_updates(units: list[ParamUnit], optimizer: torch.optim.Optimizer, choice: DeviceUpdates,
-                          device: torch.device, stream_itemsize: int) -> tuple[list[bool], int, bool]:
+def place_updates(units: list[ParamUnit], optimizer: torch.optim.Optimizer, choice: DeviceUpdates,
+                  device: torch.device, stream_itemsize: int) -> DevicePlacement:
     """Which units' update runs on ``device`` (``choice.share`` of the parameters; ``"plan"``: the MILP's split on
     CUDA, none elsewhere; ``None``: the timing split on CUDA, none elsewhere), the device bytes that holds beside the
     plan's activations, and whether their masters and states stay on the device (module docstring)."""
@@ -166,7 +142,7 @@ def assign_device_updates(units: list[ParamUnit], optimizer: torch.optim.Optimiz
     # (one update runs at a time). The homes or staging buffers are allocated with the path, before any plan reads
     # the free memory, so counting them here would count them twice.
     work = max((t.work_bytes for t in on_device), default=0)
-    return flags, sum(t.grad_bytes for t in on_device) + work, resident
+    return DevicePlacement(flags, sum(t.grad_bytes for t in on_device) + work, resident)
 
 
 def homes_that_fit(traffic: list[UnitTraffic], flags: list[bool], budget: float) -> list[bool]:
@@ -186,12 +162,8 @@ def homes_that_fit(traffic: list[UnitTraffic], flags: list[bool], budget: float)
 def _link(device: torch.device) -> tuple[float, float]:
     """(H2D, D2H) bytes/s with both directions busy: measured on CUDA, the H200's figures elsewhere."""
     if device.type == "cuda":
-        from lightning_lazytrain.engine.link import measure_link_cuda
-
         h2d, d2h, duplex = measure_link_cuda(device)
     else:
-        from lightning_lazytrain.schedule.profile import H200_D2H, H200_DUPLEX, H200_H2D
-
         h2d, d2h, duplex = H200_H2D, H200_D2H, H200_DUPLEX
     return min(h2d, duplex / 2), min(d2h, duplex / 2)  # both directions run at once
 
@@ -212,8 +184,6 @@ def _timed_split(optimizer: torch.optim.Optimizer, traffic: list[UnitTraffic], d
 
 
 def _planned_split(optimizer: torch.optim.Optimizer, traffic: list[UnitTraffic], device: torch.device) -> list[bool]:
-    from lightning_lazytrain.schedule.milp_updates import solve_updates
-
     cpu_rate = measure_cpu_update_rate(optimizer)
     h2d, d2h = _link(device)
     split = solve_updates(update_problem(traffic, cpu_rate, h2d, d2h))
