@@ -77,3 +77,30 @@ def test_32_true_store_keeps_one_buffer_and_no_frozen_gradients(monkeypatch):
     assert held.sink == 4 * trained
     assert seen.kw["num_params"] == trained and seen.kw["frozen_params"] == frozen
     assert all(p.grad is None for p in module.model.parameters() if not p.requires_grad)
+
+
+class _DeviceShare(pl.Callback):
+    """What the device-update share would move and hold for each unit, read after the first step."""
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        from lightning_lazytrain.engine.updates.device import staging_bytes
+        from lightning_lazytrain.engine.updates.traffic import unit_traffic
+
+        executor = trainer.strategy.executor
+        opt = executor.path.optimizer
+        self.rows = [(unit_traffic(u, opt, 2, False, torch.device("cpu")).numel, staging_bytes(u, opt),
+                      sum(e.numel for e in u.trained), sum(e.numel for e in u.unique)) for u in executor.store.units]
+
+
+def test_a_device_update_moves_and_stages_the_adapters_only():
+    """A device-updated LoRA unit copies and stages its adapters' masters and states, not its frozen base: each
+    trained element needs at most its fp32 master, two fp32 states and a bf16 copy (4 + 8 + 2 bytes) plus the
+    alignment of a few tensors, far below one byte per frozen element."""
+    seen = _DeviceShare()
+    train(tiny_lora(), batches(1), strategy="lazytrain", precision="bf16-mixed", max_steps=1,
+          module_cls=HybridAdapterModule, callbacks=[seen])
+    layers = [r for r in seen.rows if r[2] < r[3]]  # the units holding frozen weights
+    assert layers
+    for numel, staged, trained, everything in layers:
+        assert numel == trained
+        assert 14 * trained <= staged <= 14 * trained + 4096 < everything

@@ -20,13 +20,12 @@ import warnings
 from dataclasses import replace
 
 import psutil
-import torch
 
 from lightning_lazytrain.models.adapter import UnsupportedModelError, adapter_for
 from lightning_lazytrain.models.fused_kernels import fused_part_names
 from lightning_lazytrain.optim.update_rate import host_update_rate
 from lightning_lazytrain.schedule.batch_search import largest_batch
-from lightning_lazytrain.schedule.disk import checkpoints_kept, free_bytes
+from lightning_lazytrain.schedule.disk import free_bytes
 from lightning_lazytrain.schedule.forecast import Forecast, Machine, RunSpec, forecast
 from lightning_lazytrain.schedule.gpus import GPUS
 from lightning_lazytrain.sft.cli import ConfigError, LazyTrainCLI
@@ -38,6 +37,13 @@ from lightning_lazytrain.sft.module import CausalLMModule
 from lightning_lazytrain.sft.plan_machine import cpu_machine, gpu_machine, plans_the_cpu
 from lightning_lazytrain.sft.plan_model import meta_model, model_config
 from lightning_lazytrain.sft.plan_report import render
+from lightning_lazytrain.sft.plan_trainer import (
+    checkpoint_dir,
+    devices,
+    kept_checkpoints,
+    strategy_args,
+    weights_only,
+)
 from lightning_lazytrain.units import GIB
 
 
@@ -81,64 +87,6 @@ class PlanCLI(LazyTrainCLI):
 
     def instantiate_classes(self) -> None:
         """Nothing is built here; `main` builds the model on the meta device."""
-
-
-def _strategy_args(trainer: dict) -> dict:
-    strategy = trainer.get("strategy")
-    if isinstance(strategy, dict):
-        name = str(strategy.get("class_path", ""))
-        if not name.endswith("LazyTrainStrategy"):
-            raise ConfigError(f"trainer.strategy is {name}; lazytrain plan plans the lazytrain strategy only")
-        return dict(strategy.get("init_args") or {})
-    if strategy not in ("lazytrain", None):
-        raise ConfigError(f"trainer.strategy={strategy!r}; lazytrain plan plans the lazytrain strategy only")
-    return {}
-
-
-def _devices(trainer: dict) -> int:
-    devices = trainer.get("devices", 1)
-    if isinstance(devices, (list, tuple)):
-        return len(devices)
-    if isinstance(devices, str) and devices.strip().isdigit():
-        return int(devices)
-    if isinstance(devices, int) and devices > 0:
-        return devices
-    return max(1, torch.cuda.device_count())  # "auto" / -1: what Lightning would take here
-
-
-def _model_checkpoints(trainer: dict) -> list[dict]:
-    return [
-        c.get("init_args") or {}
-        for c in trainer.get("callbacks") or []
-        if isinstance(c, dict) and str(c.get("class_path", "")).endswith("ModelCheckpoint")
-    ]
-
-
-def _checkpoints_kept(trainer: dict) -> int:
-    """Checkpoints on disk: each ModelCheckpoint's (its save_top_k, -1 counted as 1, and a last.ckpt copy), else
-    Lightning's default callback (one) unless checkpointing is off."""
-    callbacks = _model_checkpoints(trainer)
-    if callbacks:
-        return sum(checkpoints_kept(int(args.get("save_top_k", 1)), args.get("save_last")) for args in callbacks)
-    return 0 if trainer.get("enable_checkpointing") is False else 1
-
-
-def _weights_only(trainer: dict) -> bool:
-    """Whether the run's checkpoints hold the masters only: every ModelCheckpoint has save_weights_only (Lightning's
-    default callback saves full state; mixed callbacks are all sized as full state, the larger)."""
-    callbacks = _model_checkpoints(trainer)
-    return bool(callbacks) and all(args.get("save_weights_only") is True for args in callbacks)
-
-
-def _checkpoint_dir(trainer: dict) -> str:
-    """Where the run's checkpoints go: a ModelCheckpoint's dirpath, else the logger's save_dir, else the root dir."""
-    for args in _model_checkpoints(trainer):
-        if args.get("dirpath"):
-            return str(args["dirpath"])
-    logger = trainer.get("logger")
-    if isinstance(logger, dict) and (logger.get("init_args") or {}).get("save_dir"):
-        return str(logger["init_args"]["save_dir"])
-    return str(trainer.get("default_root_dir") or ".")
 
 
 def _state_bytes(model: dict) -> float:
@@ -192,8 +140,8 @@ def _plan(cli: PlanCLI) -> dict:
         check_sequence_length(config, seq, source)
     except DataSettingError as exc:
         raise ConfigError(str(exc)) from None
-    strategy = _strategy_args(trainer)
-    world = _devices(trainer) * int(trainer.get("num_nodes") or 1)
+    strategy = strategy_args(trainer)
+    world = devices(trainer) * int(trainer.get("num_nodes") or 1)
     known = set(RunSpec.__dataclass_fields__) - {
         "adapter",
         "seq",
@@ -213,9 +161,9 @@ def _plan(cli: PlanCLI) -> dict:
         _state_bytes(model_cfg),
         int(trainer.get("accumulate_grad_batches") or 1) > 1,
         world,
-        min(world, _devices(trainer)),
-        checkpoints_kept=_checkpoints_kept(trainer),
-        checkpoints_weights_only=_weights_only(trainer),
+        min(world, devices(trainer)),
+        checkpoints_kept=kept_checkpoints(trainer),
+        checkpoints_weights_only=weights_only(trainer),
         quantize=lora.quantize if lora is not None else "none",
         **{k: v for k, v in strategy.items() if k in known},
     )
@@ -239,7 +187,7 @@ def _plan(cli: PlanCLI) -> dict:
         host_available,
         shutil.disk_usage(disk_dir).free if run.spill_dir else 0,
         update_rate,
-        int(cfg["disk_gib"] * GIB) if cfg.get("disk_gib") is not None else free_bytes(_checkpoint_dir(trainer)),
+        int(cfg["disk_gib"] * GIB) if cfg.get("disk_gib") is not None else free_bytes(checkpoint_dir(trainer)),
     )
     batch = int(data.get("batch_size") or 1)
     asked = forecast(run, machine, batch, profile_for)

@@ -56,7 +56,7 @@ def _aligned(nbytes: int) -> int:
 def staging_bytes(unit: ParamUnit, optimizer: torch.optim.Optimizer) -> int:
     """Device bytes one staging buffer needs for ``unit``: each parameter's master, state tensors and stream copy."""
     total = 0
-    for e in unit.unique:
+    for e in unit.trained:  # a frozen parameter has no update to move
         states = optimizer.state_tensors(e.param)
         total += _aligned(e.numel * e.param.element_size()) + sum(_aligned(t.nbytes) for t in states)
         total += _aligned(e.numel * 2)  # a bf16 stream copy (counted whether or not one is registered)

@@ -42,7 +42,7 @@ def unit_traffic(
     """Bytes the device path moves for ``unit`` before the next forward may stream it (``resident``: only the
     stream copy out), the device bytes its kept gradients hold, and its update's peak on ``device``."""
     h2d = d2h = numel = work = 0
-    for e in unit.unique:
+    for e in unit.trained:  # a frozen parameter has no update to move
         states = sum(t.numel() * t.element_size() for t in optimizer.state_tensors(e.param))
         master = e.numel * e.param.element_size()
         copy = e.numel * 2 if e.param.dtype != torch.bfloat16 else 0
