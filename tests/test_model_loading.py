@@ -2,6 +2,7 @@
 
 import inspect
 import shutil
+import socket
 
 import pytest
 import torch
@@ -65,6 +66,19 @@ def test_hub_name_from_a_cache_dir_at_a_revision(tmp_path, monkeypatch):
         )
         got = _weights(module.model)
         assert all(torch.equal(got[k], weights[ref][k]) for k in weights[ref]), ref
+
+
+def test_local_files_only_never_reaches_the_network(tmp_path, monkeypatch):
+    """from_pretrained's adapter lookup ignored local_files_only: offline, it waited out the hub's retries."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("local_files_only reached the network")
+
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    cache, weights = _hub_cache(tmp_path, ["main"])
+    got = _weights(build_model(REPO, cache_dir=str(cache), local_files_only=True))
+    assert all(torch.equal(got[k], weights["main"][k]) for k in weights["main"])
 
 
 def test_local_files_only_refuses_a_name_not_in_the_cache(tmp_path, monkeypatch):

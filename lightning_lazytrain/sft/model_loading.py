@@ -245,8 +245,16 @@ def build_model(
         path, hub = _source(pretrained, revision, cache_dir, local_files_only)
         try:
             # on a machine's other ranks under lazytrain this reads the config only (node_load.py)
+            # from_pretrained looks for a PEFT adapter config without the cache and offline settings it was given
+            # (transformers 5): without them it asks the hub, and offline waits out its retries (~45 s)
+            adapter = {k: hub[k] for k in ("cache_dir", "local_files_only") if k in hub}
             model = load_pretrained(
-                path, dtype=_torch_dtype(dtype) or "auto", trust_remote_code=trust_remote_code, **hub, **attn
+                path,
+                dtype=_torch_dtype(dtype) or "auto",
+                trust_remote_code=trust_remote_code,
+                adapter_kwargs=adapter,
+                **hub,
+                **attn,
             )
         except OSError as exc:
             raise OSError(f"model.pretrained {pretrained!r}{_where(hub)} cannot be loaded: {exc}") from exc
