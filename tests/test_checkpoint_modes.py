@@ -1,5 +1,5 @@
-"""Checkpoint modes against the disk (``checkpoint/modes.py``): the sizes, a refusal at fit start that names the
-modes that fit, and a disk that fills during a save losing nothing (real small tmpfs mounts)."""
+"""Checkpoint modes against the disk (``schedule/checkpoint_modes.py``): the sizes, a refusal at fit start that
+names the modes that fit, and a disk that fills during a save losing nothing (real small tmpfs mounts)."""
 
 import os
 
@@ -10,7 +10,7 @@ from helpers import LMModule, batches, loader, small_tmpfs, tiny_model
 
 import lightning_lazytrain  # noqa: F401  (registers the strategy name)
 from lightning_lazytrain.checkpoint.atomic import AtomicCheckpointIO, verify_checkpoint
-from lightning_lazytrain.checkpoint.modes import checkpoint_modes, fitting_modes_text
+from lightning_lazytrain.schedule.checkpoint_modes import checkpoint_modes, fitting_modes_text
 from lightning_lazytrain.sft.checkpointing import CheckpointDiskError, ResumableModelCheckpoint
 
 N = 10**9

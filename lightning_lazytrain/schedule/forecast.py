@@ -17,12 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lightning_lazytrain.admission import AdmissionReport, admission_report
-from lightning_lazytrain.checkpoint.modes import CheckpointMode, checkpoint_modes, fitting_modes_text
 from lightning_lazytrain.engine.grads.homes import HOST_HEADROOM_SHARE, STAGING_BUFFERS, choose_gradient_home
 from lightning_lazytrain.engine.loss import LOSS_CHUNK_BYTES
 from lightning_lazytrain.engine.plan import Schedule
 
 from .analytic import gpu_layout, model_flops_per_step
+from .checkpoint_modes import CheckpointMode, checkpoint_modes, fitting_modes_text
 from .disk import checkpoint_tier
 from .milp import InfeasibleScheduleError, solve
 from .milp_memory import plan_gpu_pieces

@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_lazytrain.checkpoint.modes import checkpoint_modes, fitting_modes_text
+from lightning_lazytrain.schedule.checkpoint_modes import checkpoint_modes, fitting_modes_text
 from lightning_lazytrain.schedule.disk import checkpoint_bytes, checkpoint_tier, checkpoints_kept, free_bytes
 
 GB = 1e9

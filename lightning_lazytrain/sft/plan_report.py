@@ -47,7 +47,7 @@ def _plan_lines(f: dict, seq: int, world: int, peak_tflops: float, device: str) 
 
 
 def _mode_lines(modes: list[dict]) -> list[str]:
-    """The checkpoint modes (`checkpoint/modes.py`) and whether each fits the checkpoint disk."""
+    """The checkpoint modes (`schedule/checkpoint_modes.py`) and whether each fits the checkpoint disk."""
     return [f"  checkpoint mode {m['name']}: {m['need_bytes'] / GIB:.2f} GiB ({m['bytes_each'] / GIB:.2f} GiB each)"
             f" {'fits' if m['fits'] else 'does not fit'}; {m['how']}" for m in modes]
 

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_lazytrain.schedule.disk import checkpoint_bytes
 from lightning_lazytrain.units import GIB
+
+from .disk import checkpoint_bytes
 
 EIGHT_BIT_STATE_BYTES = 2.0  # two 8-bit moments a parameter (their block scales are a rounding error)
 
