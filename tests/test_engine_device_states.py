@@ -253,7 +253,8 @@ def test_boundaries_short_of_the_default_cpu_budget_name_cpu_activation_gib(monk
     from lightning_lazytrain.schedule import InfeasibleScheduleError
 
     available = 4 << 10
-    monkeypatch.setattr(solve.psutil, "virtual_memory", lambda: SimpleNamespace(available=available))
+    # the planner's view only: admission reads the real host RAM
+    monkeypatch.setattr(solve, "psutil", SimpleNamespace(virtual_memory=lambda: SimpleNamespace(available=available)))
     boundary = 2 * 16 * 64 * 4  # batches(1): 2 rows x 16 tokens x hidden 64, fp32 (32-true)
     strategy = LazyTrainStrategy(schedule="milp", max_recompute_span=1, gpu_activation_gib=2.5 * boundary / 2**30,
                                  cpu_activation_gib=cpu_gib)
