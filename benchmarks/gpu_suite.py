@@ -36,8 +36,9 @@ def main() -> None:
     args, pytest_args = parser.parse_known_args()
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "junit.xml"
+        paths = [] if any(not a.startswith("-") for a in pytest_args) else ["tests"]  # named files run alone
         code = subprocess.call([sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-q",
-                                "-rfEs", f"--junitxml={report}", "tests", *pytest_args])
+                                "-rfEs", f"--junitxml={report}", *paths, *pytest_args])
         rows = outcomes(report) if report.is_file() else []
     totals = {s: sum(r["status"] == s for r in rows) for s in ("passed", "failed", "error", "skipped")}
     write_results(args.out or default_out("gpu_suite"), {"pytest_exit": code, "totals": totals, "rows": rows})
