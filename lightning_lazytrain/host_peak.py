@@ -1,6 +1,6 @@
 """The host memory a run really holds: its resident set sampled through the run, the peak of each phase.
 
-Admission's host table (``admission.py``) and ``lazytrain plan`` are arithmetic; this callback measures what they
+Admission's host table (``admission/``) and ``lazytrain plan`` are arithmetic; this callback measures what they
 predict. A thread reads the process's resident set size (RSS: every page in RAM, pageable or page-locked alike,
 since pinned and ``cudaHostRegister``-ed pages are resident) every ``interval_s`` and keeps the peak of the phase
 the run is in: ``"load"`` (from the callback's creation, so build it before the model, to the start of fit),

@@ -90,8 +90,9 @@ def test_two_machines_match_two_processes_on_one(start, reference, two_procs, tm
     params = sum(p.numel() for p in start.parameters())
     for info in infos:
         assert info["local_world"] == 1 and info["optimizer_threads"] >= 1
-        # "other": this CPU run's own device copies (slots, resident parts), per process, asserted below
-        assert info["host_pieces"].pop("other") > 0
+        # this CPU run's own device copies (slots, resident parts) and step workspace, per process
+        assert info["host_pieces"].pop("CPU run: device copies") > 0
+        assert info["host_pieces"].pop("CPU run: step workspace") > 0
         assert info["host_pieces"] == {"streamed copy (shared, once per host)": 4 * params,
                                        "gradient shards": 4 * params // 2, "optimizer state shards": 8 * params // 2}
 
@@ -114,8 +115,8 @@ def test_streamed_copy_is_one_shared_mapping_per_host(start, two_procs):
                                    optimizer_state_bytes_per_param=8.0).tiers["host"].need
     pieces = infos[0]["host_pieces"]
     assert pieces["streamed copy (shared, once per host)"] == 4 * params
-    device_copies = pieces.pop("other")  # the CPU run's per-process device copies (slots, resident parts)
-    assert device_copies > 0
+    # the CPU run's per-process device copies (slots, resident parts) and step workspace
+    assert pieces.pop("CPU run: device copies") > 0 and pieces.pop("CPU run: step workspace") > 0
     assert sum(pieces.values()) == one_process, "two processes on one host need what one process needs, not twice"
 
 

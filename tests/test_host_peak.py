@@ -11,9 +11,10 @@ import lightning_lazytrain  # noqa: F401
 from lightning_lazytrain.host_peak import HostPeakMemory
 from lightning_lazytrain.optim import HybridAdamW
 
-#: what the run holds beyond the table's pieces (the batch's activations and workspace, the loss chunks, the data):
-#: the growth of the sampled peak over the baseline must be within this share of the table's need
-BOUND = 0.10
+#: the issue's bound: what the run holds beyond the table's pieces (the batch's activations, the loss chunks, the data,
+#: the allocator's slack) stays within this share of the table's need; before the table counted a CPU run's step
+#: workspace (the resident unit's gradients, 64 MiB here) the run grew 8.5% past it
+BOUND = 0.05
 
 
 class Hybrid(LMModule):

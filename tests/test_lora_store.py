@@ -8,7 +8,7 @@ import torch
 from helpers import batches, train
 from lora_models import AdapterModule, HybridAdapterModule, tiny_lora, trainable_and_frozen
 
-import lightning_lazytrain.admission as admission
+import lightning_lazytrain.admission.measure as admission
 
 Mem = collections.namedtuple("Mem", "available")
 _AVAILABLE = 1 << 40

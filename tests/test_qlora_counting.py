@@ -8,7 +8,7 @@ from lora_models import HybridAdapterModule
 from qlora_models import tiny_qlora
 from test_lora_store import _Bytes, _Seen
 
-import lightning_lazytrain.admission as admission
+import lightning_lazytrain.admission.measure as admission
 from lightning_lazytrain.engine.weights.packed4bit import is_packed_4bit
 from lightning_lazytrain.models import adapter_for
 from lightning_lazytrain.schedule.forecast import Machine, RunSpec, _host_report

@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import LMModule, batches, loader, tiny_model, train
 
-import lightning_lazytrain.admission as admission
+import lightning_lazytrain.admission.measure as admission
 from lightning_lazytrain.tier_report import AdmissionError
 
 Mem = collections.namedtuple("Mem", "available")
