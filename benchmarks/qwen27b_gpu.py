@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import lightning.pytorch as pl
@@ -72,6 +73,21 @@ def predicted(batch: int) -> dict:
     }
 
 
+def heartbeat(every_s: float = 15.0) -> None:
+    """Print the process's RSS and the host's available RAM every ``every_s`` from a daemon thread: the last call
+    on an H100 host ended without a word after setup, and a kernel OOM kill leaves only this trail."""
+    start = time.perf_counter()
+
+    def beat() -> None:
+        while True:
+            rss, free = psutil.Process().memory_info().rss, psutil.virtual_memory().available
+            print(f"[{time.perf_counter() - start:6.0f} s] rss {rss / GIB:.1f} GiB, available {free / GIB:.1f} GiB",
+                  file=sys.stderr, flush=True)
+            time.sleep(every_s)
+
+    threading.Thread(target=beat, name="heartbeat", daemon=True).start()
+
+
 def measure(model, batch: int, steps: int, warmup: int, fpt: float) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -120,6 +136,7 @@ def main() -> None:
     args = parser.parse_args()
     args.out = args.out or default_out("qwen27b")
     start = time.perf_counter()
+    heartbeat()
     config, source = model_config(None, SHAPE, False)
     torch.manual_seed(0)
     with torch.device("cuda"):  # random init on the GPU is minutes faster than on the host; handed over in host RAM
