@@ -83,10 +83,21 @@ def test_profile_model_and_the_meta_models_profile_count_a_lora_layer_alike(tmp_
 
 
 def _profile(**kw) -> Profile:
-    return Profile(forward_seconds=[0.1, 0.1], activation_bytes=[1, 1, 1], param_bytes=[10**9] * 2, head_seconds=0.05,
-                   h2d_bytes_per_s=20e9, d2h_bytes_per_s=10e9, duplex_bytes_per_s=40e9, nvme_read_bytes_per_s=1e9,
-                   nvme_write_bytes_per_s=1e9, device_name="x", sources=dict.fromkeys(SOURCE_KEYS, "analytic"),
-                   dtype="bfloat16", **kw)
+    return Profile(
+        forward_seconds=[0.1, 0.1],
+        activation_bytes=[1, 1, 1],
+        param_bytes=[10**9] * 2,
+        head_seconds=0.05,
+        h2d_bytes_per_s=20e9,
+        d2h_bytes_per_s=10e9,
+        duplex_bytes_per_s=40e9,
+        nvme_read_bytes_per_s=1e9,
+        nvme_write_bytes_per_s=1e9,
+        device_name="x",
+        sources=dict.fromkeys(SOURCE_KEYS, "analytic"),
+        dtype="bfloat16",
+        **kw,
+    )
 
 
 def test_the_problem_and_the_step_charge_a_frozen_layer_its_backward_and_its_adapters_gradients():
