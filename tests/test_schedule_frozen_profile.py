@@ -153,3 +153,18 @@ def test_a_lora_forecast_steps_with_input_gradients_only_and_counts_4n_model_flo
     assert trained == layers * adapters
     flops = (4 * frozen + 6 * trained + 12 * layers * h * 1024) * tokens
     assert f.model_tflops == pytest.approx(flops / f.prediction.step_s / 1e12, rel=1e-9)
+
+
+@pytest.mark.gpu
+def test_a_lora_models_measured_profile_holds_no_base_weight_gradients(tmp_path):
+    """``lazytrain plan`` on a GPU: the one-layer-per-kind copy is frozen as the LoRA model's base is, so its
+    measured working set loses the base's weight gradients (a bf16 layer's bytes) and its head computes none."""
+    cuda, cache = torch.device("cuda"), str(tmp_path)
+    full = measured_profile(meta(named("qwen2.5-3b")), 8, 1024, cuda, cache_dir=cache)
+    model = meta_model(named("qwen2.5-3b"))
+    add_adapters(model, LoraOptions(r=16))
+    lora = measured_profile(adapter_for(model), 8, 1024, cuda, cache_dir=cache)
+    assert lora.grad_bytes[0] < 0.05 * full.grad_bytes[0]
+    assert lora.working_bytes[0] < full.working_bytes[0] - 0.5 * full.grad_bytes[0]
+    assert lora.head_seconds < full.head_seconds
+    assert lora.backward_seconds[0] < 1.2 * lora.forward_seconds[0] < 0.7 * full.backward_seconds[0]
