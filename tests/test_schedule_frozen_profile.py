@@ -5,6 +5,8 @@ numbers are what they were (twice the forward, every parameter's gradient)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from forecast_helpers import H200, meta, named
@@ -21,6 +23,7 @@ from lightning_lazytrain.schedule.device_profile import measured_profile
 from lightning_lazytrain.schedule.forecast import Machine, RunSpec, forecast, plan_inputs
 from lightning_lazytrain.schedule.profile import ANALYTIC_FLOPS, SOURCE_KEYS, Profile
 from lightning_lazytrain.schedule.step_time import predict_step
+from lightning_lazytrain.sft.cli import main as lazytrain
 from lightning_lazytrain.sft.lora import LoraOptions, add_adapters
 from lightning_lazytrain.sft.plan_machine import gpu_machine
 from lightning_lazytrain.sft.plan_model import meta_model
@@ -168,3 +171,16 @@ def test_a_lora_models_measured_profile_holds_no_base_weight_gradients(tmp_path)
     assert lora.working_bytes[0] < full.working_bytes[0] - 0.5 * full.grad_bytes[0]
     assert lora.head_seconds < full.head_seconds
     assert lora.backward_seconds[0] < 1.2 * lora.forward_seconds[0] < 0.7 * full.backward_seconds[0]
+
+
+def test_the_72b_qlora_plan_charges_input_gradients_and_says_its_flops(capsys, monkeypatch, tmp_path):
+    """The recipe's plan for an H200: each layer's backward and re-run come to less than two forwards (a trained
+    layer's would be about three), and the line says how model FLOPs count a frozen base."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    args = ["plan", "--config", "qwen2.5-72b-qlora", "--gpu", "h200", "--host_ram_gib", "128", "--max_batch", "false"]
+    assert lazytrain([*args, "--update_gparams_per_s", "4"]) == 0
+    out = capsys.readouterr().out
+    forward, backward = (float(v) for v in re.search(r"forward ([\d.]+) \+ backward ([\d.]+)", out).groups())
+    assert forward < backward < 2 * forward
+    assert "model FLOPs 4 per frozen and 6 per trained parameter a token" in out
