@@ -19,7 +19,7 @@ from torch import nn
 
 from lightning_lazytrain.engine.weights.layout import collect_entries
 
-#: a layer's backward over its forward when all its weights train and the attention's share is left aside
+#: a layer's backward over its forward when all its weights train (its attention's mixing is twice its forward too)
 FULL_BACKWARD_FACTOR = 2.0
 
 
