@@ -6,6 +6,11 @@ in a streamed step: Qwen2.5-7B shape, batch 64 x 1024, 80 GiB cap, 6.40 s of GPU
 for 3.68e15 executed FLOPs = 575 TFLOP/s of 989 (benchmarks/results/archive/h200.json, commit a0fe04b). Smaller matmuls
 reach less of the peak, so at small batches the prediction is optimistic.
 
+A layer's backward is its input gradients through every weight and the weight gradients of the trainable ones
+only (`layer_backward.py`): twice its forward when all train, about once for a frozen LoRA base layer; its
+gradient bytes back are its trainable weights'. Streamed bytes are the store's (``layer_bytes``: the plan's count
+of a 4-bit base, `frozen_base.py`).
+
 Per-layer graph, working-set and MLP-re-run bytes are the estimates `profile_model` uses off CUDA
 (`layer_memory.analytic_layer_estimates`), the MLP's seconds at the same achieved rate; so the MILP can keep graphs
 and re-run MLPs here as it does in the run. `gpu_layout` gives the weight slot and the resident parts.
@@ -21,8 +26,9 @@ from lightning_lazytrain.models.adapter import ModelAdapter
 from lightning_lazytrain.models.fused_kernels import UNFUSED, FusedParts, fusable
 
 from .gpus import GpuSpec
-from .layer_memory import analytic_layer_estimates, output_projection_seconds, unique_numel
-from .profile import SOURCE_KEYS, Profile, _attention_flops
+from .layer_backward import backward_ratio, flop_numel, streamed_bytes
+from .layer_memory import analytic_layer_estimates, output_projection_seconds, trainable_bytes
+from .profile import SOURCE_KEYS, Profile, _attention_flops, head_flops
 
 ACHIEVED_FRACTION = 0.58
 # a layer with Liger's norms and SwiGLU (``models/fused_kernels.py``) re-runs its forward in this share of HF's time:
@@ -43,7 +49,8 @@ def _fused_speed(parts: FusedParts) -> float:
 def model_flops_per_step(num_params: int, num_layers: int, hidden: int, batch: int, seq: int,
                          frozen_params: int = 0) -> float:
     """The model FLOPs TFLOPS figures count: (6 N + 12 layers hidden seq) per token (REFERENCE.md); the
-    ``frozen_params`` among the ``num_params`` count 4 (no weight gradient), as issue 38 counts LoRA."""
+    ``frozen_params`` among the ``num_params`` count 4 (forward and input gradient, no weight gradient), as issue
+    38 counts LoRA: (4 N_frozen + 6 N_adapters + 12 layers hidden seq) per token."""
     return (6.0 * num_params - 2.0 * frozen_params + 12.0 * num_layers * hidden * seq) * batch * seq
 
 
@@ -55,9 +62,12 @@ def analytic_profile(
     stream_dtype: torch.dtype = torch.bfloat16,
     achieved_fraction: float = ACHIEVED_FRACTION,
     fused: bool = False,
+    layer_bytes: list[int] | None = None,
 ) -> Profile:
     """The profile ``profile_model`` would measure on ``gpu``, from FLOPs and the published figures; ``fused``: the
-    run binds Liger's kernels where a layer allows (smaller graphs; a layer with fused parts runs faster).
+    run binds Liger's kernels where a layer allows (smaller graphs; a layer with fused parts runs faster);
+    ``layer_bytes``: each layer's streamed bytes where the meta model does not hold them as the run will (a 4-bit
+    base, ``RunSpec.counts``), else the layers' own.
 
     Works on a model built on the meta device (only shapes are read).
     """
@@ -65,15 +75,15 @@ def analytic_profile(
     itemsize = stream_dtype.itemsize
     tokens, types = batch * seq, adapter.layer_types()
     rate = gpu.bf16_tflops * 1e12 * achieved_fraction
-    numel = [unique_numel(layer) for layer in adapter.layers]
-    parts = [fusable(layer) if fused else UNFUSED for layer in adapter.layers]
+    layers = list(adapter.layers)
+    numel = [flop_numel(layer) for layer in layers]
+    mixing = [_attention_flops(config, types[j], batch, seq) for j in range(adapter.num_layers)]
+    parts = [fusable(layer) if fused else UNFUSED for layer in layers]
     speed = [_fused_speed(p) for p in parts]
-    forward = [
-        speed[j] * (2.0 * numel[j] * tokens + _attention_flops(config, types[j], batch, seq)) / rate
-        for j in range(adapter.num_layers)
-    ]
+    forward = [speed[j] * (2.0 * numel[j] * tokens + mixing[j]) / rate for j in range(adapter.num_layers)]
+    backward = [backward_ratio(layer, mixing[j], tokens) * forward[j] for j, layer in enumerate(layers)]
     rerun = [f - d for f, d in zip(forward, output_projection_seconds(adapter, tokens, rate))]
-    head = 6.0 * config.vocab_size * config.hidden_size * tokens / rate
+    head = head_flops(adapter, tokens) / rate
     act = batch * seq * config.hidden_size * itemsize
     scaling = (
         f"analytic: layer FLOPs / {rate / 1e12:.0f} TFLOP/s ({achieved_fraction:.2f} of {gpu.name}'s "
@@ -88,7 +98,9 @@ def analytic_profile(
         forward_seconds=forward,
         rerun_seconds=rerun,
         activation_bytes=[act] * (adapter.num_layers + 1),
-        param_bytes=[k * itemsize for k in numel],
+        param_bytes=layer_bytes if layer_bytes is not None else [streamed_bytes(layer, itemsize) for layer in layers],
+        backward_seconds=backward,
+        grad_bytes=[trainable_bytes(layer, itemsize) for layer in layers],
         head_seconds=head,
         h2d_bytes_per_s=gpu.h2d_bytes_per_s,
         d2h_bytes_per_s=gpu.d2h_bytes_per_s,
@@ -117,6 +129,7 @@ def scale_profile(profile: Profile, measured_tflops: float, gpu: GpuSpec) -> Pro
     return replace(
         profile,
         forward_seconds=[f * ratio for f in profile.forward_seconds],
+        backward_seconds=[f * ratio for f in profile.backward_seconds],
         mlp_seconds=[f * ratio for f in profile.mlp_seconds],
         rerun_seconds=[f * ratio for f in profile.rerun_seconds],
         head_seconds=profile.head_seconds * ratio,
@@ -133,10 +146,11 @@ def scale_profile(profile: Profile, measured_tflops: float, gpu: GpuSpec) -> Pro
 class GpuLayout:
     """A weight slot's bytes (the plan counts its slots) and the resident parts the device holds outside the plan.
 
-    ``slot_bytes``: one weight slot (the largest layer in the stream dtype). ``resident_copy_bytes``: the device
-    copy of embeddings, final norm and head in the stream dtype, which the executor allocates at setup, before the
-    planner measures the free memory (`planning.solve.device_plan_bytes`). Their gradients come later, in the
-    backward, and the plan does not count them (docs/plan.md, "Not modelled").
+    ``slot_bytes``: one weight slot (the largest layer as the store streams it; the forecast takes
+    ``RunSpec.slot_bytes``, which also counts a 4-bit base the meta model does not hold). ``resident_copy_bytes``:
+    the device copy of embeddings, final norm and head in the stream dtype, which the executor allocates at setup,
+    before the planner measures the free memory (`planning.solve.device_plan_bytes`). Their gradients come later,
+    in the backward, and the plan does not count them (docs/plan.md, "Not modelled").
     """
 
     slot_bytes: int
@@ -145,7 +159,7 @@ class GpuLayout:
 
 def gpu_layout(adapter: ModelAdapter, stream_dtype: torch.dtype = torch.bfloat16) -> GpuLayout:
     itemsize = stream_dtype.itemsize
-    slot = max(unique_numel(layer) for layer in adapter.layers) * itemsize
+    slot = max(streamed_bytes(layer, itemsize) for layer in adapter.layers)
     layer_ids = {id(p) for layer in adapter.layers for p in layer.parameters()}
     resident = sum(p.numel() for p in {id(p): p for p in adapter.model.parameters()}.values() if id(p) not in layer_ids)
     return GpuLayout(slot_bytes=slot, resident_copy_bytes=resident * itemsize)

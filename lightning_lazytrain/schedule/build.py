@@ -6,18 +6,18 @@ Window w is layer w's compute, forward and backward together. What the engine ru
 * in the backward, layer w's forward-with-grad from its boundary, ``rho'_w`` (every block re-runs its layers with
   grad, skipping the MLP's output projection: ``rerun_seconds``; only the *extra* no-grad re-forwards of a block,
   ``R(s, e)``, are schedule-dependent and the solver charges them),
-* layer w's backward, ``backward_factor * rho_w``.
+* layer w's backward, ``beta_w`` (``Profile.backwards``: input gradients through every weight, weight gradients
+  of the trainable ones only; ``2 rho_w`` when all train, about ``rho_w`` for a frozen LoRA base layer).
 
-So ``window_seconds[w] = (1 + backward_factor) * rho_w + rho'_w`` with ``reforward=True`` (the default, what the
-engine does without ``keep_graph``), or ``(1 + backward_factor) * rho_w`` with ``reforward=False`` (every layer
-keeps its graph).
+So ``window_seconds[w] = rho_w + beta_w + rho'_w`` with ``reforward=True`` (the default, what the engine does
+without ``keep_graph``), or ``rho_w + beta_w`` with ``reforward=False`` (every layer keeps its graph).
 The recompute forwards of ``R(s, e)`` are left out of the windows: the capacity is a lower estimate.
 
 Mandatory traffic per window: ``param_h2d_bytes[w] = 2 * param_bytes[w]`` (the layer's streamed weights copied for
 the forward and again for the backward; a recompute block's no-grad re-forward reuses the backward copy, as
 ``engine/stack.py`` does; ``reforward=False`` means the layer keeps weights and graph from the forward: one copy),
-``grad_d2h_bytes[w] = param_bytes[w]`` (the gradient goes back in the stream dtype, bf16 under bf16-mixed),
-or ``n_params * grad_bytes_per_param`` when that is given.
+``grad_d2h_bytes[w] = Profile.gradients[w]`` (the trainable weights' gradients go back in the stream dtype, bf16
+under bf16-mixed; a frozen weight sends none), scaled to ``grad_bytes_per_param`` when that is given.
 
 GPU memory: the profile's per-layer graph and working-set bytes, and the graph bytes and MLP seconds of a kept graph
 whose MLP re-runs, go to the problem (``keep_graphs=False`` offers no kept graphs of either kind);
@@ -38,34 +38,31 @@ _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 
 
 def build_problem(profile: Profile, gpu_budget_bytes: int, cpu_budget_bytes: int, nvme_budget_bytes: int,
-                  max_recompute_span: int = 4, backward_factor: float = 2.0, *, reforward: bool = True,
+                  max_recompute_span: int = 4, *, reforward: bool = True,
                   duplex: bool = True, grad_bytes_per_param: int | None = None, keep_graphs: bool = True,
                   keep_graph_layers: list[int] | None = None, gpu_total_bytes: int | None = None,
                   slot_bytes: int = 0, fixed_slots: int = 0, head_working_bytes: int = 0,
                   micro_batches: int = 1) -> ScheduleProblem:
     """The placement problem for ``profile`` under the given activation budgets (bytes per home).
 
-    ``window_seconds[w] = (1 + backward_factor) * forward_seconds[w] + reforward * rerun_seconds[w]`` (the re-run
+    ``window_seconds[w] = forward_seconds[w] + backwards[w] + reforward * rerun_seconds[w]`` (the re-run
     without the MLP's output projection; ``forward_seconds`` where not profiled); ``param_h2d_bytes[w] =
-    (1 + reforward) * param_bytes[w]``; ``grad_d2h_bytes[w] = param_bytes[w]`` (or
+    (1 + reforward) * param_bytes[w]``; ``grad_d2h_bytes[w] = gradients[w]`` (or
     ``* grad_bytes_per_param / itemsize``); ``head_seconds`` as profiled; bandwidths: see the module docstring.
     ``micro_batches``: the layer micro-batches ``profile.working_bytes`` was counted for (`plan_problem`).
     """
-    if backward_factor < 0:
-        raise ValueError(f"backward_factor must be >= 0, got {backward_factor}")
     itemsize = _ITEMSIZE.get(profile.dtype, 2)
-    factor = 1.0 + float(backward_factor)
     h2d, d2h = profile.h2d_bytes_per_s, profile.d2h_bytes_per_s
     if duplex:
         h2d, d2h = min(h2d, profile.duplex_bytes_per_s / 2), min(d2h, profile.duplex_bytes_per_s / 2)
     return ScheduleProblem(
         activation_bytes=list(profile.activation_bytes),
         forward_seconds=list(profile.forward_seconds),
-        window_seconds=[factor * f + (r if reforward else 0.0)
-                        for f, r in zip(profile.forward_seconds, profile.reruns, strict=True)],
+        window_seconds=[f + b + (r if reforward else 0.0)
+                        for f, b, r in zip(profile.forward_seconds, profile.backwards, profile.reruns, strict=True)],
         rerun_seconds=list(profile.reruns),
         param_h2d_bytes=[(2 if reforward else 1) * b for b in profile.param_bytes],
-        grad_d2h_bytes=[b * (grad_bytes_per_param or itemsize) // itemsize for b in profile.param_bytes],
+        grad_d2h_bytes=[b * (grad_bytes_per_param or itemsize) // itemsize for b in profile.gradients],
         gpu_budget_bytes=int(gpu_budget_bytes),
         cpu_budget_bytes=int(cpu_budget_bytes),
         nvme_budget_bytes=int(nvme_budget_bytes),

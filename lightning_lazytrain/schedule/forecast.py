@@ -24,6 +24,7 @@ from lightning_lazytrain.engine.plan import Schedule
 from .analytic import gpu_layout, model_flops_per_step
 from .checkpoint_modes import CheckpointMode, checkpoint_modes, fitting_modes_text
 from .disk import checkpoint_tier
+from .layer_backward import trained_numel
 from .milp import InfeasibleScheduleError, solve
 from .milp_memory import plan_gpu_pieces
 from .plan_inputs import PlanInputs, budgets, gpu_total_bytes
@@ -107,9 +108,10 @@ def gradient_bytes(run: RunSpec) -> int:
 
 
 def staging_bytes(run: RunSpec) -> int:
-    """The staging buffers of a gradient home off the host: the largest layer's (or parameter's) size, twice."""
-    layer = max(sum(p.numel() for p in layer.parameters()) for layer in run.adapter.layers)
-    largest = max(p.numel() for p in run.adapter.model.parameters())
+    """The staging buffers of a gradient home off the host: the largest layer's (or parameter's) trainable size,
+    twice (`engine/grads/homes.staging_numel`; a LoRA layer stages its adapters only)."""
+    layer = max(trained_numel(layer) for layer in run.adapter.layers)
+    largest = max((p.numel() for p in run.adapter.model.parameters() if p.requires_grad), default=0)
     return STAGING_BUFFERS * max(layer, largest) * run.stream_dtype.itemsize
 
 
@@ -143,7 +145,7 @@ def plan_inputs(run: RunSpec, machine: Machine) -> PlanInputs:
         device_bytes=machine.gpu.memory_bytes - layout.resident_copy_bytes - reserve,
         host_bytes=max(0, machine.host_available_bytes - host_need),
         disk_bytes=machine.disk_free_bytes,
-        slot_bytes=layout.slot_bytes,
+        slot_bytes=run.slot_bytes,
         prefetch_depth=run.prefetch_depth,
         loss_chunk_bytes=LOSS_CHUNK_BYTES,
         head_grad_bytes=head_grad_sum_bytes(run.adapter.lm_head),

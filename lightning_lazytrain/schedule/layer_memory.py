@@ -76,9 +76,10 @@ def _mlp_per_token(config, itemsize: int) -> int:
     return per_token
 
 
-def analytic_layer_memory(config, layer_type: str, tokens: int, itemsize: int, param_bytes: int,
+def analytic_layer_memory(config, layer_type: str, tokens: int, itemsize: int, grad_bytes: int,
                           fused: FusedParts = UNFUSED) -> tuple[int, int]:
-    """(graph bytes, peak working bytes) of one layer's forward+backward for ``tokens`` tokens, estimated.
+    """(graph bytes, peak working bytes) of one layer's forward+backward for ``tokens`` tokens, estimated;
+    ``grad_bytes``: its weight gradients (``trainable_bytes``: all its weights, or a LoRA layer's adapters).
 
     ``fused`` says which parts run Liger's kernels (``models/fused_kernels.py``): its SwiGLU keeps gate and up but
     not the activation (the product stays: it is the down projection's input), and its backward writes one
@@ -88,7 +89,7 @@ def analytic_layer_memory(config, layer_type: str, tokens: int, itemsize: int, p
     graph = analytic_mlp_recompute_graph(config, layer_type, tokens, itemsize, fused_norms=fused.norms)
     graph += tokens * (_mlp_per_token(config, itemsize) - (itemsize * mlp if fused.mlp else 0))
     gradients = (1 if fused.mlp else 2) * mlp + 2 * hidden  # gate/up gradients, input gradient, output
-    return graph, graph + tokens * itemsize * gradients + param_bytes
+    return graph, graph + tokens * itemsize * gradients + grad_bytes
 
 
 def analytic_mlp_recompute_graph(config, layer_type: str, tokens: int, itemsize: int, fused_norms: bool = False) -> int:
@@ -128,7 +129,7 @@ def analytic_layer_estimates(adapter: ModelAdapter, tokens: int, itemsize: int, 
     config, types = adapter.model.config, adapter.layer_types()
     layers = list(adapter.layers)
     parts = [fusable(layer) if fused else UNFUSED for layer in layers]
-    memory = [analytic_layer_memory(config, types[j], tokens, itemsize, unique_numel(layer) * itemsize, parts[j])
+    memory = [analytic_layer_memory(config, types[j], tokens, itemsize, trainable_bytes(layer, itemsize), parts[j])
               for j, layer in enumerate(layers)]
     return LayerEstimates(
         graph_bytes=[graph for graph, _ in memory],
@@ -139,16 +140,16 @@ def analytic_layer_estimates(adapter: ModelAdapter, tokens: int, itemsize: int, 
     )
 
 
-def micro_batch_working_bytes(working_bytes: int, param_bytes: int, boundary_bytes: int, micro_batches: int) -> int:
+def micro_batch_working_bytes(working_bytes: int, grad_bytes: int, boundary_bytes: int, micro_batches: int) -> int:
     """A layer's working set when it runs in ``micro_batches`` row slices (`engine/micro_batches.py`): what scales
     with the tokens (graph of the re-run, intermediates, input gradients) divides; the weight gradients
-    (``param_bytes``, in the stream dtype like the slot) do not, and from two slices on their running sum is a
-    second set; and one whole boundary more, the batch's input gradient (or a kept graph's output) that the
+    (``grad_bytes``, the trainable weights' in the stream dtype) do not, and from two slices on their running sum
+    is a second set; and one whole boundary more, the batch's input gradient (or a kept graph's output) that the
     slices' are written into."""
     if micro_batches <= 1:
         return working_bytes
-    per_token = max(0, working_bytes - param_bytes)
-    return -(-per_token // micro_batches) + 2 * param_bytes + boundary_bytes
+    per_token = max(0, working_bytes - grad_bytes)
+    return -(-per_token // micro_batches) + 2 * grad_bytes + boundary_bytes
 
 
 def output_projection_seconds(adapter: ModelAdapter, tokens: int, flops_per_s: float) -> list[float]:

@@ -120,10 +120,11 @@ def measure_layers_fitting(adapter: ModelAdapter, batch: int, seq: int, device: 
 
 
 def measure_head(adapter: ModelAdapter, tokens: int, device: torch.device, dtype, timer=time_cuda) -> float:
-    """lm_head + cross-entropy forward and backward on a chunk of <= 4096 tokens, scaled to ``tokens``."""
+    """lm_head + cross-entropy forward and backward on a chunk of <= 4096 tokens, scaled to ``tokens``; the
+    head's weight gradient only where it trains (a LoRA run's frozen head computes none)."""
     head = adapter.lm_head.weight
     chunk = min(tokens, 4096)
-    w = head.detach().to(device=device, dtype=dtype).requires_grad_(True)
+    w = head.detach().to(device=device, dtype=dtype).requires_grad_(head.requires_grad)
     x = torch.randn(chunk, head.shape[1], device=device, dtype=dtype, requires_grad=True)
     y = torch.randint(0, head.shape[0], (chunk,), device=device)
 

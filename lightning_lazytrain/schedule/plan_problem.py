@@ -99,7 +99,7 @@ def plan_problem(
     if slices > 1 and profile.working_bytes:
         profile = dataclasses.replace(profile, working_bytes=[
             micro_batch_working_bytes(w, b, a, slices)
-            for w, b, a in zip(profile.working_bytes, profile.param_bytes, profile.activation_bytes)])
+            for w, b, a in zip(profile.working_bytes, profile.gradients, profile.activation_bytes)])
     if keep_graph_layers > n:
         raise ValueError(f"keep_graph_layers={keep_graph_layers} is more than the model's {n} layers")
     gpu = gpu_budget_bytes if total_bytes is None else min(gpu_budget_bytes, total_bytes)

@@ -4,7 +4,9 @@
 layer per distinct layer kind (``config.layer_types`` x parameter shapes) with CUDA events, the lm_head + loss on a
 token chunk, pinned H2D / D2H / both-at-once copies, and the spill disk. Without CUDA the compute and link numbers
 are analytic (`ANALYTIC_FLOPS`, REFERENCE.md's H200 link figures); the disk is still measured when a spill dir is
-given. Results are cached as JSON per machine + model shape + batch + seq + dtype (+ spill dir).
+given. A layer's backward is not timed: it is its forward times the FLOPs ratio of `layer_backward.py` (2 where
+every weight trains; a frozen LoRA base layer computes input gradients only). Results are cached as JSON per
+machine + model shape and trainable weights + batch + seq + dtype (+ spill dir).
 """
 
 from __future__ import annotations
@@ -23,11 +25,14 @@ from lightning_lazytrain.engine.link import measure_link_cuda
 from lightning_lazytrain.models.adapter import ModelAdapter
 from lightning_lazytrain.models.fused_kernels import fused_count
 
-from .layer_memory import LayerEstimates, analytic_layer_estimates, output_projection_seconds, unique_numel
+from .layer_backward import FULL_BACKWARD_FACTOR, backward_ratio, flop_numel, streamed_bytes, trained_numel
+from .layer_memory import LayerEstimates, analytic_layer_estimates, output_projection_seconds, trainable_bytes
 from .measure import measure_head, measure_layers_fitting
 from .spill_probe import measure_disk
 
-PROFILE_VERSION = 4  # 3: the MLP re-run's graph bytes and seconds; 4: the re-run without the output projection
+# 3: the MLP re-run's graph bytes and seconds; 4: the re-run without the output projection; 5: each layer's backward
+# and gradient bytes by which of its weights train, its streamed bytes as the store lays them out (4-bit weights)
+PROFILE_VERSION = 5
 ANALYTIC_FLOPS = 1e11  # FLOP/s assumed for analytic compute estimates (no CUDA device to measure on)
 # REFERENCE.md, H200 benchmark machine: pinned PCIe per direction / both at once (total), disk write / read.
 H200_H2D, H200_D2H, H200_DUPLEX = 55.5e9, 55.3e9, 101e9
@@ -43,7 +48,8 @@ class Profile:
 
     forward_seconds[j]: one forward of layer j (j = 0..L-1), no grad. activation_bytes[i]: boundary i (0..L),
     batch * seq * hidden * itemsize. param_bytes[j]: layer j's streamed parameter bytes (numel * itemsize of the
-    stream dtype). head_seconds: final norm + lm_head + loss, forward and backward. Bandwidths in bytes/s:
+    stream dtype; a 4-bit weight as its packed codes and quant state). head_seconds: final norm + lm_head + loss,
+    forward and backward. Bandwidths in bytes/s:
     h2d / d2h one direction alone, duplex_bytes_per_s the total of both directions running at once.
     graph_bytes[j] / working_bytes[j]: GPU bytes layer j's kept graph holds and the peak of its forward-with-grad
     and backward, both beyond its input boundary (`layer_memory.py`). sources[k] for k in SOURCE_KEYS: "measured"
@@ -52,6 +58,10 @@ class Profile:
     no-grad forward of its MLP; empty: not profiled (the MILP does not offer that choice).
     rerun_seconds[j]: one forward of layer j without its MLP's output projection, what its re-run in the backward
     computes (`engine/gradient_only_linear.py`); empty: not profiled (``forward_seconds``).
+    backward_seconds[j]: layer j's backward, its re-run aside: input gradients through every weight, weight
+    gradients of the trainable ones only (`layer_backward.py`; a frozen LoRA base layer about 1x its forward);
+    grad_bytes[j]: its trainable weights' gradients in the stream dtype, what goes back to the host (none for a
+    frozen weight). Empty: not profiled, every weight trains (2x the forward, ``param_bytes``).
     """
 
     forward_seconds: list[float]
@@ -74,6 +84,8 @@ class Profile:
     mlp_graph_bytes: list[int] = field(default_factory=list)
     mlp_seconds: list[float] = field(default_factory=list)
     rerun_seconds: list[float] = field(default_factory=list)
+    backward_seconds: list[float] = field(default_factory=list)
+    grad_bytes: list[int] = field(default_factory=list)
     info: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -98,11 +110,16 @@ class Profile:
             raise ValueError(f"Profile needs L={n} rerun_seconds (or none: not profiled), got "
                              f"{len(self.rerun_seconds)}")
         self.rerun_seconds = [float(v) for v in self.rerun_seconds]
+        if len(self.backward_seconds) not in (0, n) or len(self.grad_bytes) not in (0, n):
+            raise ValueError(f"Profile needs L={n} backward_seconds and grad_bytes (or none: every weight trains), "
+                             f"got {len(self.backward_seconds)}, {len(self.grad_bytes)}")
+        self.backward_seconds = [float(v) for v in self.backward_seconds]
+        self.grad_bytes = [int(v) for v in self.grad_bytes]
         for name in ("h2d_bytes_per_s", "d2h_bytes_per_s", "duplex_bytes_per_s", "nvme_read_bytes_per_s",
                      "nvme_write_bytes_per_s"):
             if not float(getattr(self, name)) > 0:
                 raise ValueError(f"Profile.{name} must be > 0, got {getattr(self, name)!r}")
-        if min(self.forward_seconds) < 0 or float(self.head_seconds) < 0:
+        if min(self.forward_seconds + self.backward_seconds) < 0 or float(self.head_seconds) < 0:
             raise ValueError("Profile times must be >= 0")
         bad = {k: v for k, v in self.sources.items() if v not in ("measured", "analytic")}
         if bad or set(self.sources) != set(SOURCE_KEYS):
@@ -116,6 +133,16 @@ class Profile:
     def reruns(self) -> list[float]:
         """Each layer's re-run in the backward: ``rerun_seconds``, or ``forward_seconds`` where not profiled."""
         return self.rerun_seconds or self.forward_seconds
+
+    @property
+    def backwards(self) -> list[float]:
+        """Each layer's backward, its re-run aside: ``backward_seconds``, or twice its forward where not profiled."""
+        return self.backward_seconds or [FULL_BACKWARD_FACTOR * f for f in self.forward_seconds]
+
+    @property
+    def gradients(self) -> list[int]:
+        """Each layer's gradient bytes back to the host: ``grad_bytes``, or ``param_bytes`` where not profiled."""
+        return self.grad_bytes or self.param_bytes
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -146,13 +173,21 @@ def _attention_flops(config, layer_type: str, batch: int, seq: int) -> float:
     return 4.0 * batch * seq * seq * config.num_attention_heads * head_dim * 0.5
 
 
+def head_flops(adapter: ModelAdapter, tokens: int) -> float:
+    """FLOPs of the head's matmul for ``tokens`` tokens, forward and backward: 6 per weight and token, 4 for a
+    frozen head (no weight gradient)."""
+    weight = adapter.lm_head.weight
+    return (4.0 + 2.0 * weight.requires_grad) * weight.numel() * tokens
+
+
 def _measure(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, stream_dtype: torch.dtype,
              spill_dir: str | None) -> Profile:
     """Measure (CUDA) or estimate (otherwise) everything; no caching here."""
     config = adapter.model.config
     itemsize = stream_dtype.itemsize
     n, tokens, types = adapter.num_layers, batch * seq, adapter.layer_types()
-    numel = [unique_numel(layer) for layer in adapter.layers]
+    numel = [flop_numel(layer) for layer in adapter.layers]
+    mixing = [_attention_flops(config, types[j], batch, seq) for j in range(n)]
     cuda = device.type == "cuda"
     src = dict.fromkeys(SOURCE_KEYS, "measured" if cuda else "analytic")
     measured_rows = None  # CUDA: the rows one layer was measured at (fewer than the batch's when it did not fit)
@@ -169,11 +204,10 @@ def _measure(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, 
         h2d, d2h, duplex = measure_link_cuda(device)
         name = torch.cuda.get_device_name(device)
     else:
-        forward = [(2.0 * numel[j] * tokens + _attention_flops(config, types[j], batch, seq)) / ANALYTIC_FLOPS
-                   for j in range(n)]
+        forward = [(2.0 * numel[j] * tokens + mixing[j]) / ANALYTIC_FLOPS for j in range(n)]
         rerun = [f - d for f, d in zip(forward, output_projection_seconds(adapter, tokens, ANALYTIC_FLOPS))]
         layers = analytic_layer_estimates(adapter, tokens, itemsize, ANALYTIC_FLOPS)
-        head = 6.0 * config.vocab_size * config.hidden_size * tokens / ANALYTIC_FLOPS
+        head = head_flops(adapter, tokens) / ANALYTIC_FLOPS
         h2d, d2h, duplex = H200_H2D, H200_D2H, H200_DUPLEX
         name = f"cpu:{platform.processor() or platform.machine()}"
     read, write, src["nvme_read"] = DISK_READ, DISK_WRITE, "analytic"
@@ -182,7 +216,11 @@ def _measure(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, 
         src["nvme_read"] = "measured"
     src["nvme_write"] = src["nvme_read"]
     act = batch * seq * config.hidden_size * itemsize
-    return Profile(forward_seconds=forward, activation_bytes=[act] * (n + 1), param_bytes=[k * itemsize for k in numel],
+    decoder = list(adapter.layers)
+    backward = [backward_ratio(layer, mixing[j], tokens) * forward[j] for j, layer in enumerate(decoder)]
+    return Profile(forward_seconds=forward, activation_bytes=[act] * (n + 1),
+                   param_bytes=[streamed_bytes(layer, itemsize) for layer in decoder],
+                   backward_seconds=backward, grad_bytes=[trainable_bytes(layer, itemsize) for layer in decoder],
                    head_seconds=head, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, duplex_bytes_per_s=duplex,
                    nvme_read_bytes_per_s=read, nvme_write_bytes_per_s=write, device_name=name, sources=src,
                    batch=batch, seq=seq, dtype=str(stream_dtype).replace("torch.", ""), layer_types=types,
@@ -193,8 +231,9 @@ def _measure(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, 
 
 def cache_key(adapter: ModelAdapter, batch: int, seq: int, device: torch.device, stream_dtype: torch.dtype,
               spill_dir: str | None = None) -> dict:
-    """What identifies a profile: machine, device, library versions, model shape, batch, seq, dtype, spill dir, and
-    how many of the layers' modules run Liger's kernels."""
+    """What identifies a profile: machine, device, library versions, model shape, batch, seq, dtype, spill dir,
+    how many of the layers' modules run Liger's kernels, and each layer's weights and trainable ones (a LoRA model
+    has the base's config, adapters beside it and a frozen base)."""
     import transformers
 
     cfg = {k: v for k, v in adapter.model.config.to_dict().items()
@@ -204,7 +243,9 @@ def cache_key(adapter: ModelAdapter, batch: int, seq: int, device: torch.device,
             "device": f"{device.type}:{dev}", "torch": torch.__version__, "transformers": transformers.__version__,
             "config": json.loads(json.dumps(cfg, sort_keys=True, default=str)), "batch": int(batch), "seq": int(seq),
             "dtype": str(stream_dtype), "spill_dir": None if spill_dir is None else os.path.abspath(spill_dir),
-            "fused_kernels": fused_count(adapter.layers)}
+            "fused_kernels": fused_count(adapter.layers),
+            "layer_params": [[flop_numel(layer), trained_numel(layer)] for layer in adapter.layers],
+            "head_trains": bool(adapter.lm_head.weight.requires_grad)}
 
 
 def default_cache_dir() -> Path:

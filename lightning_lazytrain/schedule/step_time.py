@@ -2,7 +2,9 @@
 
 Forward of layer j: its compute ``rho_j`` or its weights' copy, whichever is longer (the copy of the next layer
 runs beside it). Backward of layer j: its re-run (``rerun_seconds``, without the MLP's output projection) + the
-backward, ``backward_factor rho_j``, against the weights' second copy and the gradient's copy back; a layer that
+backward (``Profile.backwards``: ``2 rho_j`` when every weight trains, about ``rho_j`` for a frozen LoRA base
+layer, which computes no weight gradient), against the weights' second copy and the copy back of the trainable
+weights' gradients (``Profile.gradients``; none for a frozen weight); a layer that
 keeps its graph skips the re-run and the second copy (one that re-runs its MLP adds the MLP's forward). Then the
 head, the plan's exposed seconds (re-forwards + transfers the links cannot hide, as the MILP charges them) and the
 optimizer update.
@@ -42,21 +44,22 @@ def predict_step(
     profile: Profile,
     schedule: Schedule,
     update_s: float,
-    backward_factor: float = 2.0,
     grad_bytes_per_param: int | None = None,
 ) -> StepPrediction:
-    """Seconds of one step of ``schedule`` on the machine ``profile`` describes; ``update_s`` is the optimizer's."""
+    """Seconds of one step of ``schedule`` on the machine ``profile`` describes; ``update_s`` is the optimizer's
+    (of the trainable parameters only)."""
     h2d, d2h = profile.h2d_bytes_per_s, profile.d2h_bytes_per_s
     grad_scale = (grad_bytes_per_param or _ITEMSIZE.get(profile.dtype, 2)) / _ITEMSIZE.get(profile.dtype, 2)
     forward = backward = 0.0
-    for j, (rho, nbytes) in enumerate(zip(profile.forward_seconds, profile.param_bytes)):
+    layers = zip(profile.forward_seconds, profile.backwards, profile.param_bytes, profile.gradients, strict=True)
+    for j, (rho, beta, nbytes, grad_bytes) in enumerate(layers):
         copy = nbytes / h2d
         forward += max(rho, copy)
         kept = schedule.keep_graph[j]
-        compute = backward_factor * rho + (0.0 if kept else profile.reruns[j])
+        compute = beta + (0.0 if kept else profile.reruns[j])
         if schedule.mlp_recompute[j]:  # the MLP's re-run in the layer's backward
             compute += profile.mlp_seconds[j] if profile.mlp_seconds else rho
-        backward += max(compute, 0.0 if kept else copy, nbytes * grad_scale / d2h)
+        backward += max(compute, 0.0 if kept else copy, grad_bytes * grad_scale / d2h)
     return StepPrediction(
         forward_s=forward,
         backward_s=backward,

@@ -3,7 +3,9 @@
 ``--gpu NAME`` plans for that GPU (measured here when it is the GPU here, else scaled or analytic); without it, the
 GPU here. A run on the CPU (``trainer.accelerator: cpu``, as the demo's, or no CUDA device with the accelerator
 left to Lightning) is planned for the CPU device as ``fit`` runs it there: the layers compute in host RAM, times
-are analytic at the fp32 matmul rate this CPU reaches, and copies at the rate it copies memory.
+are analytic at the fp32 matmul rate this CPU reaches, and copies at the rate it copies memory. Everywhere the
+layers' streamed bytes are the run's (``RunSpec.counts``: a 4-bit base as its packed codes and quant state), and a
+LoRA model's frozen layers compute no weight gradients (`schedule/layer_backward.py`).
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ def cpu_machine(run: RunSpec, host_available_bytes: int, accelerator: object) ->
     )
 
     def profile_for(batch: int) -> Profile:
-        profile = analytic_profile(run.adapter, batch, run.seq, timed, run.stream_dtype, fused=run.kernels_fused)
+        profile = analytic_profile(run.adapter, batch, run.seq, timed, run.stream_dtype, fused=run.kernels_fused,
+                                   layer_bytes=run.counts.layer_stream_bytes)
         profile = replace(profile, h2d_bytes_per_s=copy, d2h_bytes_per_s=copy, duplex_bytes_per_s=copy)
         profile.info["scaling"] = scaling
         return profile
@@ -95,7 +98,8 @@ def gpu_machine(gpu_name: str | None, run: RunSpec) -> tuple[GpuSpec, ProfileFor
         return spec, lambda b: scale_profile(_measured(run, b), ratio_from, spec), f"--gpu {spec.name}"
     return (
         spec,
-        lambda b: analytic_profile(run.adapter, b, run.seq, spec, run.stream_dtype, fused=run.kernels_fused),
+        lambda b: analytic_profile(run.adapter, b, run.seq, spec, run.stream_dtype, fused=run.kernels_fused,
+                                   layer_bytes=run.counts.layer_stream_bytes),
         f"--gpu {spec.name}",
     )
 
@@ -104,5 +108,6 @@ def _measured(run: RunSpec, batch: int) -> Profile:
     from lightning_lazytrain.schedule.device_profile import measured_profile
 
     return measured_profile(
-        run.adapter, batch, run.seq, torch.device("cuda", 0), run.stream_dtype, fused=run.kernels_fused
+        run.adapter, batch, run.seq, torch.device("cuda", 0), run.stream_dtype, fused=run.kernels_fused,
+        layer_bytes=run.counts.layer_stream_bytes,
     )

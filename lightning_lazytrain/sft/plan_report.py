@@ -24,7 +24,7 @@ def _tiers(asked: dict, device: str) -> list[str]:
     return lines
 
 
-def _plan_lines(f: dict, seq: int, world: int, peak_tflops: float, device: str) -> list[str]:
+def _plan_lines(f: dict, seq: int, world: int, peak_tflops: float, device: str, frozen: bool = False) -> list[str]:
     s = f["schedule"]
     if s is None:
         return ["  no plan fits (see the notes)"]
@@ -42,7 +42,8 @@ def _plan_lines(f: dict, seq: int, world: int, peak_tflops: float, device: str) 
         "  homes (G gpu, C cpu, N nvme, r recompute): " + "".join(_LETTER[t] for t in homes),
         f"  predicted step {p['step_s']:.3g} s = forward {p['forward_s']:.3g} + backward {p['backward_s']:.3g} + "
         f"head {p['head_s']:.3g} + exposed {p['exposed_s']:.3g} + update {p['update_s']:.3g}; "
-        f"{f['model_tflops']:.1f} model-TFLOPS per {device}{mfu}, {tokens:,.0f} tokens/s",
+        f"{f['model_tflops']:.1f} model-TFLOPS per {device}{mfu}, {tokens:,.0f} tokens/s"
+        + ("; model FLOPs 4 per frozen and 6 per trained parameter a token" if frozen else ""),
     ]
 
 
@@ -78,7 +79,7 @@ def render(answer: dict) -> str:
     ]
     out += (
         _tiers(asked, device)
-        + _plan_lines(asked, r["seq"], r["world_size"], g["bf16_tflops"], device)
+        + _plan_lines(asked, r["seq"], r["world_size"], g["bf16_tflops"], device, bool(m.get("frozen_params")))
         + [f"  gradients wait for the norm on: {asked.get('gradient_home', 'host')} (gradient_home)"]
         + _mode_lines(asked.get("checkpoint_modes") or [])
         + ([f"  {asked['checkpoint_verdict']}"] if asked.get("checkpoint_verdict") else [])
