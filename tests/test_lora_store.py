@@ -104,3 +104,27 @@ def test_a_device_update_moves_and_stages_the_adapters_only():
     for numel, staged, trained, everything in layers:
         assert numel == trained
         assert 14 * trained <= staged <= 14 * trained + 4096 < everything
+
+
+def test_the_update_plan_times_a_lora_units_next_forward_by_its_whole_streamed_copy():
+    """The update MILP waits on each unit's next forward, which streams the frozen base as well as the adapters:
+    timing it by the adapters' bytes alone made a LoRA forward look nearly free."""
+    from lightning_lazytrain.planning.update_placement import update_problem
+
+    seen = _Traffic()
+    train(tiny_lora(), batches(1), strategy="lazytrain", precision="bf16-mixed", max_steps=1,
+          module_cls=HybridAdapterModule, callbacks=[seen])
+    problem = update_problem(seen.traffic, cpu_params_per_s=1e9, h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9)
+    for t, forward_s, numel in zip(seen.traffic, problem.forward_seconds, seen.numels):
+        assert forward_s == 2 * numel / 1e9  # every element of the unit, in bf16
+        assert t.grad_bytes < t.stream_bytes or t.grad_bytes == 2 * numel
+
+
+class _Traffic(pl.Callback):
+    def on_train_batch_end(self, trainer, *args) -> None:
+        from lightning_lazytrain.engine.updates.traffic import unit_traffic
+
+        executor = trainer.strategy.executor
+        units = executor.store.units
+        self.traffic = [unit_traffic(u, executor.path.optimizer, 2, False, torch.device("cpu")) for u in units]
+        self.numels = [u.numel for u in units]

@@ -99,11 +99,12 @@ def measure_cpu_update_rate(optimizer: torch.optim.Optimizer, numel: int = 1 << 
 def update_problem(traffic: list[UnitTraffic], cpu_params_per_s: float, h2d_bytes_per_s: float,
                    d2h_bytes_per_s: float) -> UpdateProblem:
     """The MILP's inputs for ``traffic`` (forward order): CPU seconds from the update rate, device seconds from the
-    link (as ``split_units``), each unit's next forward as its weight copy (``grad_bytes``: stream-dtype bytes)."""
+    link (as ``split_units``), each unit's next forward as its weight copy (``stream_bytes``: the whole streamed
+    unit, a frozen base's included; the trained part alone where that is unknown)."""
     return UpdateProblem(
         cpu_seconds=[t.numel / cpu_params_per_s for t in traffic],
         device_seconds=[max(t.h2d_bytes / h2d_bytes_per_s, t.d2h_bytes / d2h_bytes_per_s) for t in traffic],
-        forward_seconds=[t.grad_bytes / h2d_bytes_per_s for t in traffic],
+        forward_seconds=[(t.stream_bytes or t.grad_bytes) / h2d_bytes_per_s for t in traffic],
     )
 
 

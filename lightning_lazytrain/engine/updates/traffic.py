@@ -34,6 +34,7 @@ class UnitTraffic:
     grad_bytes: int
     work_bytes: int = 0  # device bytes at the peak of its largest parameter's update (``update_work_bytes``)
     home_bytes: int = 0  # device bytes its masters and states take when they stay there (``staging_bytes``)
+    stream_bytes: int = 0  # its whole streamed copy (frozen and 4-bit weights too): what its next forward copies in
 
 
 def unit_traffic(
@@ -50,4 +51,5 @@ def unit_traffic(
         d2h += (copy or master) if resident else master + states + copy
         numel += e.numel
         work = max(work, update_work_bytes(e.param, optimizer.state.get(e.param, {}), device))
-    return UnitTraffic(numel, h2d, d2h, numel * stream_itemsize, work, staging_bytes(unit, optimizer))
+    return UnitTraffic(numel, h2d, d2h, numel * stream_itemsize, work, staging_bytes(unit, optimizer),
+                       unit.numel * stream_itemsize)
