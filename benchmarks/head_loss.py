@@ -15,7 +15,7 @@ import argparse
 import torch
 from common import DEVICE, median_seconds, write_results
 
-from lightning_lazytrain.engine.loss import chunked_causal_lm_loss
+from lightning_lazytrain.engine.loss.chunked import chunked_causal_lm_loss
 
 
 def main() -> None:

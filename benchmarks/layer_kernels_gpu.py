@@ -5,8 +5,8 @@
 Per batch (Qwen2.5-7B shape, seq 1024, bf16, sdpa, no mask): the forward with grad, its backward, the forward
 without grad (what rebuilding a boundary costs), the kept graph and the peak, each variant on the same layer and
 input, medians of CUDA-event timings. The backward's re-run skips the MLP's output projection
-(`engine/gradient_only_linear.py`): timed without grad, and as the re-run with grad plus its backward (what a layer
-without a kept graph costs in the backward), with its gradients' largest difference to the plain layer's.
+(`engine/compute/gradient_only_linear.py`): timed without grad, and as the re-run with grad plus its backward (what a
+layer without a kept graph costs in the backward), with its gradients' largest difference to the plain layer's.
 Agreement is the largest difference of the output and of every gradient to the HF layer's, relative to that
 tensor's largest magnitude. A profile of one forward+backward per variant splits the kernel time into matrix
 multiplies, attention and the rest.
@@ -22,7 +22,7 @@ import torch
 from common import median_seconds, print_table, qwen_config, write_results
 from transformers import AutoModelForCausalLM
 
-from lightning_lazytrain.engine.gradient_only_linear import mlp_output_skipped
+from lightning_lazytrain.engine.compute.gradient_only_linear import mlp_output_skipped
 from lightning_lazytrain.models.adapter import adapter_for
 from lightning_lazytrain.models.fused_kernels import fuse_decoder_kernels, unfuse_decoder_kernels
 from lightning_lazytrain.schedule.timing import rotary_inputs

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from lightning_lazytrain.engine.loss import LOSS_CHUNK_BYTES  # noqa: E402
+from lightning_lazytrain.engine.loss.chunked import LOSS_CHUNK_BYTES  # noqa: E402
 from lightning_lazytrain.models.adapter import adapter_for  # noqa: E402
 from lightning_lazytrain.schedule import solve  # noqa: E402
 from lightning_lazytrain.schedule.analytic import analytic_profile, gpu_layout  # noqa: E402

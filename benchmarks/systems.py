@@ -206,7 +206,7 @@ class ZeroInitModule(BenchModule):
 
 def rerun_share(cfg, seq: int) -> float:
     """The share of a layer's forward FLOPs that lazytrain's re-run in the backward executes: all but the MLP's
-    output projection (`engine/gradient_only_linear.py`), counted as ``model_flops_per_token`` counts a layer
+    output projection (`engine/compute/gradient_only_linear.py`), counted as ``model_flops_per_token`` counts a layer
     (2 FLOPs a weight, 4 x hidden x seq for the attention's mixing)."""
     hidden, inter = cfg.hidden_size, cfg.intermediate_size
     kv = cfg.num_key_value_heads * (getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads)

@@ -23,8 +23,8 @@ from lightning_lazytrain.admission import AdmissionReport, admission
 from lightning_lazytrain.checkpointing import CheckpointingStrategy
 from lightning_lazytrain.engine import StreamingExecutor
 from lightning_lazytrain.engine.device import prefer_expandable_segments
-from lightning_lazytrain.engine.generation import EvalGeneration
-from lightning_lazytrain.engine.generation_plan import GenerationMode, check_generation_mode
+from lightning_lazytrain.engine.generation.generate import EvalGeneration
+from lightning_lazytrain.engine.generation.plan import GenerationMode, check_generation_mode
 from lightning_lazytrain.engine.grads.homes import GradientHome, check_gradient_home
 from lightning_lazytrain.models import adapter_for, find_hf_model
 from lightning_lazytrain.models.fused_kernels import FusedKernels, check_fused_kernels, use_fused_kernels

@@ -7,7 +7,7 @@ where the problem offers it. Transfers are placed by an LP (highspy, not Pyomo) 
 
 * `window_transfers`, the paper's aggregated windows: F_w and B_w share window w's capacity, the head is window L;
   an offload of boundary i runs from F_i to the head, its reload from the head until its block's backward starts.
-* `engine_transfers`, the engine's own order (`engine/stack.py`): F_0 .. F_{L-1} (forward parts), the head, then
+* `engine_transfers`, the engine's own order (`engine/compute/stack.py`): F_0 .. F_{L-1} (forward parts), the head, then
   the backward blocks from the top, block (s, e) being B_{e-1} .. B_s (backward parts). An offload runs in
   F_i .. F_{L-1} (a CPU one also in the head: the forward waits for spill writes before the head). The reload of a
   block's start is started by the nearest block above that reads its own input back (a kept graph reads none), or

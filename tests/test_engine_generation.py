@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import VOCAB, LMModule, batches, loader, rel_diff, tiny_model
 
-import lightning_lazytrain.engine.generation as generation
+import lightning_lazytrain.engine.generation.generate as generation
 from lightning_lazytrain import LazyTrainStrategy
 
 GREEDY = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)

@@ -4,7 +4,7 @@ import pytest
 from helpers import tiny_config
 from transformers import AutoConfig
 
-from lightning_lazytrain.engine.generation_plan import generation_costs, plan_generation
+from lightning_lazytrain.engine.generation.plan import generation_costs, plan_generation
 from lightning_lazytrain.sft.module import NAMED_SHAPES
 
 GIB = 1 << 30

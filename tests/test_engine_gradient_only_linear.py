@@ -1,5 +1,6 @@
-"""The backward's re-run skips the MLP's output projection (`engine/gradient_only_linear.py`): bit for bit the plain
-layer's gradients on the CPU, one matmul fewer, and only where the output projection is a plain, unhooked linear."""
+"""The backward's re-run skips the MLP's output projection (`engine/compute/gradient_only_linear.py`): bit for bit the
+plain layer's gradients on the CPU, one matmul fewer, and only where the output projection is a plain, unhooked
+linear."""
 
 import pytest
 import torch
@@ -8,8 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import lightning_lazytrain  # noqa: F401
 from lightning_lazytrain import LazyTrainStrategy
-from lightning_lazytrain.engine import gradient_only_linear
-from lightning_lazytrain.engine.gradient_only_linear import mlp_output_skipped, skips_mlp_output
+from lightning_lazytrain.engine.compute import gradient_only_linear
+from lightning_lazytrain.engine.compute.gradient_only_linear import mlp_output_skipped, skips_mlp_output
 from lightning_lazytrain.models import adapter_for
 from lightning_lazytrain.schedule import Schedule
 from lightning_lazytrain.schedule.timing import rotary_inputs

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_lazytrain.engine.loss import IGNORE_INDEX, chunked_causal_lm_loss
+from lightning_lazytrain.engine.loss.chunked import IGNORE_INDEX, chunked_causal_lm_loss
 
 
 def _reference(hidden, weight, labels, num_items=None):

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="triton (the tes
 
 CHILD = r"""
 import json, sys, torch
-from lightning_lazytrain.engine.loss_kernel import MAX_BLOCK, row_loss_and_grad_
+from lightning_lazytrain.engine.loss.kernel import MAX_BLOCK, row_loss_and_grad_
 
 gen = torch.Generator().manual_seed(0)
 rows, cols, scale = 6, 2 * MAX_BLOCK + 77, 0.25  # two full blocks and a masked one

@@ -13,7 +13,7 @@ from test_strategy_dropout import _grad_rel_diff
 import lightning_lazytrain  # noqa: F401  (registers the strategy name)
 from lightning_lazytrain import LazyTrainStrategy
 from lightning_lazytrain.engine import Schedule
-from lightning_lazytrain.engine.micro_batches import SummedGrads, row_slices, split_call
+from lightning_lazytrain.engine.compute.micro_batches import SummedGrads, row_slices, split_call
 from lightning_lazytrain.schedule.plan_inputs import PlanSettings
 
 

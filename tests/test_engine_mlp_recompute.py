@@ -9,7 +9,7 @@ from test_strategy_dropout import _grad_rel_diff
 
 import lightning_lazytrain  # noqa: F401
 from lightning_lazytrain import LazyTrainStrategy
-from lightning_lazytrain.engine.mlp_recompute import checkpointed_mlp
+from lightning_lazytrain.engine.compute.mlp_recompute import checkpointed_mlp
 from lightning_lazytrain.models import adapter_for
 from lightning_lazytrain.schedule import Schedule, build_problem
 from lightning_lazytrain.schedule.layer_memory import saved_tensor_bytes

@@ -120,7 +120,7 @@ def test_the_rope_kernel_replaces_hfs_only_inside_the_bound_attention(family, mo
 @pytest.mark.parametrize(("mode", "kernel"), [("auto", None), ("none", False)])
 def test_none_also_keeps_the_head_loss_off_triton(mode, kernel, monkeypatch):
     """``fused_kernels="none"`` is the way to run no Triton kernel at all, the loss's own included."""
-    from lightning_lazytrain.engine import hooks
+    from lightning_lazytrain.engine.compute import hooks
 
     seen, real = [], hooks.chunked_causal_lm_loss
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from test_engine_loss import _close, _inputs, _reference
 
-from lightning_lazytrain.engine.loss import chunked_causal_lm_loss
+from lightning_lazytrain.engine.loss.chunked import chunked_causal_lm_loss
 
 pytestmark = pytest.mark.gpu
 

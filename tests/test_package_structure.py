@@ -105,7 +105,7 @@ def test_no_import_cycle_inside_the_package():
     modules = _modules()
     assert len(modules) > 80  # the walk found the package, subpackages included
     graph = {name: _imports(name, path, modules) for name, path in modules.items()}
-    assert graph["lightning_lazytrain.engine.executor"] >= {"lightning_lazytrain.engine.stack"}
+    assert graph["lightning_lazytrain.engine.executor"] >= {"lightning_lazytrain.engine.compute.stack"}
     assert _cycles(graph) == []
 
 
@@ -136,6 +136,73 @@ def test_no_import_cycle_between_the_rooms():
     assert "schedule" in rooms["planning"] and "engine" in rooms["schedule"]
     assert "schedule" not in rooms["engine"] and "planning" not in rooms["engine"]
     assert _cycles(rooms) == []
+
+
+# the engine's rooms and root modules in import order: each imports only those before it, so no loop can pass
+ENGINE_ORDER = (
+    "device",  # root: the streams and events (no-ops on the CPU)
+    "link",  # root: the host-device link probe
+    "plan",  # root: the one plan type
+    "weights",  # weights in
+    "activations",  # the boundaries' homes
+    "loss",  # the chunked head loss
+    "compute",  # the layers run: hooks, the stack Function, per-call overrides
+    "grads",  # gradients out
+    "updates",  # the per-unit updates
+    "executor",  # root: the step's conductor
+    "generation",  # evaluation-time generate, over the executor
+)
+ENGINE_ROOT = ("device", "link", "plan", "executor")
+
+
+def _engine_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The engine's modules grouped by room (``p.engine.compute.stack`` -> ``compute``; a root module is its own),
+    the package's ``__init__`` (which only re-exports) left out."""
+    rooms: dict[str, set[str]] = {}
+    for module, imported in graph.items():
+        parts = module.split(".")
+        if len(parts) > 2 and parts[1] == "engine":
+            named = {m.split(".")[2] for m in imported if m.count(".") > 1 and m.split(".")[1] == "engine"}
+            rooms.setdefault(parts[2], set()).update(named)
+    return {room: imported - {room} for room, imported in rooms.items()}
+
+
+def _against_the_order(rooms: dict[str, set[str]], order: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(room, imported room) for each import of a room that is not before it in ``order`` (unlisted rooms too)."""
+    rank = {room: i for i, room in enumerate(order)}
+    return sorted(
+        (room, other)
+        for room, imported in rooms.items()
+        for other in imported
+        if rank.get(other, len(order)) >= rank.get(room, -1)
+    )
+
+
+def test_the_order_check_finds_an_import_against_the_order():
+    graph = {"p.engine.weights.a": {"p.engine.updates.b"}, "p.engine.updates.b": set(), "p.engine": {"p.engine.a"}}
+    assert _engine_graph(graph) == {"weights": {"updates"}, "updates": set()}
+    assert _against_the_order(_engine_graph(graph), ("weights", "updates")) == [("weights", "updates")]
+    assert _against_the_order(_engine_graph(graph), ("updates", "weights")) == []
+    assert _against_the_order({"a": {"b"}, "b": {"a"}}, ("a", "b")) == [("a", "b")]  # a loop breaks any order
+    assert _against_the_order({"a": {"new"}}, ("a",)) == [("a", "new")]
+
+
+def test_every_engine_module_is_in_a_room_or_a_root_module():
+    """The engine's root holds only the root modules; every other module is in one of the rooms, each listed."""
+    engine = ROOT / "engine"
+    loose = {p.stem for p in engine.glob("*.py")} - {"__init__"}
+    rooms = {p.parent.name for p in engine.glob("*/__init__.py")}
+    assert loose == set(ENGINE_ROOT)
+    assert rooms == set(ENGINE_ORDER) - set(ENGINE_ROOT)
+    assert {p.parent for p in engine.rglob("*.py")} == {engine, *(engine / r for r in rooms)}  # no deeper floor
+
+
+def test_the_engine_rooms_import_only_rooms_before_them():
+    modules = _modules()
+    rooms = _engine_graph({name: _imports(name, path, modules) for name, path in modules.items()})
+    assert set(rooms) == set(ENGINE_ORDER)
+    assert rooms["compute"] >= {"weights", "activations", "loss"} and "executor" in rooms["generation"]
+    assert _against_the_order(rooms, ENGINE_ORDER) == []
 
 
 def _long_files(paths: list[pathlib.Path]) -> dict[str, int]:

@@ -1,7 +1,7 @@
 """Solver with the engine's transfer rules (``solve(engine_windows=True)``) against brute force.
 
-Reference: `milp_brute_force` with `engine_transfers`, the engine's timeline (written from `engine/stack.py`, not
-from `milp_transfers.py`'s index sets): tiers alone, then with kept graphs and MLP re-runs, whose backward parts
+Reference: `milp_brute_force` with `engine_transfers`, the engine's timeline (written from `engine/compute/stack.py`,
+not from `milp_transfers.py`'s index sets): tiers alone, then with kept graphs and MLP re-runs, whose backward parts
 are shorter and whose blocks read no input back, so a reload below them starts further up.
 """
 

@@ -1,9 +1,10 @@
 """The streaming executor: owns the host store, the weight slots, the activation homes and the run's update path.
 
-It hooks the HF model (``hooks.py``: names, parameters and ``state_dict`` unchanged), collects the recorded layer
-calls, and runs them as one autograd Function over a frozen ``StackContext`` (``stack.py``). The embedding, norm and
-head run on a device-resident copy in the stream dtype whose gradients are drained to the host after each backward.
-The gradient/update path (``updates/paths.py``) is given once, by ``use_path``, when the optimizer is known.
+It hooks the HF model (``compute/hooks.py``: names, parameters and ``state_dict`` unchanged), collects the recorded
+layer calls, and runs them as one autograd Function over a frozen ``StackContext`` (``compute/stack.py``). The
+embedding, norm and head run on a device-resident copy in the stream dtype whose gradients are drained to the host after
+each backward. The gradient/update path (``updates/paths.py``) is given once, by ``use_path``, when the optimizer is
+known.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import torch
 from torch import nn
 
 from lightning_lazytrain.engine.activations.homes import ActivationHomes
+from lightning_lazytrain.engine.compute.hooks import ModelHooks
+from lightning_lazytrain.engine.compute.stack import LayerCall, StackContext, StackRun, StreamedStack
 from lightning_lazytrain.engine.device import DeviceQueues, device_free_bytes
-from lightning_lazytrain.engine.hooks import ModelHooks
-from lightning_lazytrain.engine.loss import LOSS_CHUNK_BYTES
+from lightning_lazytrain.engine.loss.chunked import LOSS_CHUNK_BYTES
 from lightning_lazytrain.engine.plan import Schedule
-from lightning_lazytrain.engine.stack import LayerCall, StackContext, StackRun, StreamedStack
 from lightning_lazytrain.engine.updates.paths import UpdatePath
 from lightning_lazytrain.engine.weights.binding import leaves_of
 from lightning_lazytrain.engine.weights.slots import SlotPool
@@ -56,7 +57,7 @@ class StreamingExecutor:
             raise ValueError("lazytrain's chunked loss supports a bias-free lm_head only (all supported families)")
         self.adapter, self.device = adapter, device
         self.prefetch_depth, self.loss_chunk_bytes = prefetch_depth, loss_chunk_bytes
-        self.loss_kernel = loss_kernel  # the head loss's Triton kernel (``loss_kernel.py``); None: where it can run
+        self.loss_kernel = loss_kernel  # the head loss's Triton kernel (``loss/kernel.py``); None: where it can run
         self.spill_dir, self.timeout_s = spill_dir, timeout_s
         self.queues = DeviceQueues(device)
         self.layers: list[nn.Module] = list(adapter.layers)

@@ -4,7 +4,8 @@ Boundary ``i`` is the input of layer ``i`` (boundary ``L`` is the stack's output
 boundaries ``s < e`` lies one backward block: its layers are loaded once, layers ``s..e-2`` re-run without grad
 to rebuild their inputs, then each layer runs with grad and back-propagates. A layer that keeps its graph runs
 with grad in the forward and holds its weights and graph on the device until its backward (no re-forward); one
-marked ``mlp_recompute`` keeps the graph of all but its MLP, which re-runs in its backward (``mlp_recompute.py``).
+marked ``mlp_recompute`` keeps the graph of all but its MLP, which re-runs in its backward
+(``compute/mlp_recompute.py``).
 
 It lives in the engine, not in ``schedule/``, so that the executor runs plans without importing the solver.
 """
@@ -39,7 +40,7 @@ class Schedule:
     ``mlp_recompute[j]`` (a kept-graph layer only) keeps that graph without the MLP's intermediates: only the MLP's
     input is saved and the MLP runs again in the layer's backward.
     ``micro_batches`` > 1 runs every layer on that many row slices of the batch, one after the other, and sums
-    their weight gradients (`micro_batches.py`): the same gradients, a per-layer working set that much smaller.
+    their weight gradients (`compute/micro_batches.py`): the same gradients, a per-layer working set that much smaller.
     ``objective``, ``predicted_exposed_seconds``, ``status`` and ``info`` are what the planner says of the plan; the
     engine reads only the homes, ``keep_graph``, ``mlp_recompute`` and ``micro_batches``.
     """

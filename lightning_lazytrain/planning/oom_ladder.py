@@ -8,7 +8,8 @@ Rungs, in order, each logged; a rung that would not change the plan is skipped:
 3. ``CPU/NVMe homes``: every saved interior boundary still on the GPU moves to the CPU (alternately to NVMe when a
    spill dir is set).
 4. ``smaller layer micro-batches``: every layer runs the batch in twice as many row slices as before
-   (``Schedule.micro_batches``, `engine/micro_batches.py`), taken again on each later OOM until a slice is one row.
+   (``Schedule.micro_batches``, `engine/compute/micro_batches.py`), taken again on each later OOM until a slice is one
+   row.
    The user's batch, loss and optimizer step are unchanged, so unlike Lightning's gradient accumulation it needs
    no change to the training loop; what it cannot shrink is the whole-batch boundaries and the head's chunk.
 

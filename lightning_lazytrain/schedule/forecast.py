@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from lightning_lazytrain.admission import AdmissionReport, admission_report
 from lightning_lazytrain.engine.grads.homes import HOST_HEADROOM_SHARE, STAGING_BUFFERS, choose_gradient_home
-from lightning_lazytrain.engine.loss import LOSS_CHUNK_BYTES
+from lightning_lazytrain.engine.loss.chunked import LOSS_CHUNK_BYTES
 from lightning_lazytrain.engine.plan import Schedule
 
 from .analytic import gpu_layout, model_flops_per_step

@@ -5,7 +5,7 @@ just before its forward-with-grad, through its backward). Without CUDA they are 
 token, the tensors autograd saves in a decoder layer (the two RMSNorms' fp32 inputs and normalized outputs, Q/K/V
 and the attention output, the MLP's gate/up/activation/product), and for the peak the backward's transient
 intermediates, the input gradient and the weight gradients. The graph of a layer whose MLP re-runs in the backward
-(``engine/mlp_recompute.py``) is measured the same way under ``checkpointed_mlp``, and estimated as the graph
+(``engine/compute/mlp_recompute.py``) is measured the same way under ``checkpointed_mlp``, and estimated as the graph
 without the MLP's intermediates (the MLP's input stays: it is the second norm's output).
 ``saved_tensor_bytes`` counts what autograd really saves (saved-tensor hooks),
 the reference the estimate is tested against. The analytic estimates also give the two times the MILP weighs with
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_lazytrain.engine.gradient_only_linear import skips_mlp_output
-from lightning_lazytrain.engine.mlp_recompute import checkpointed_mlp
+from lightning_lazytrain.engine.compute.gradient_only_linear import skips_mlp_output
+from lightning_lazytrain.engine.compute.mlp_recompute import checkpointed_mlp
 from lightning_lazytrain.models.adapter import ModelAdapter
 from lightning_lazytrain.models.fused_kernels import UNFUSED, FusedParts, fusable
 
@@ -141,7 +141,7 @@ def analytic_layer_estimates(adapter: ModelAdapter, tokens: int, itemsize: int, 
 
 
 def micro_batch_working_bytes(working_bytes: int, grad_bytes: int, boundary_bytes: int, micro_batches: int) -> int:
-    """A layer's working set when it runs in ``micro_batches`` row slices (`engine/micro_batches.py`): what scales
+    """A layer's working set when it runs in ``micro_batches`` row slices (`engine/compute/micro_batches.py`): what scales
     with the tokens (graph of the re-run, intermediates, input gradients) divides; the weight gradients
     (``grad_bytes``, the trainable weights' in the stream dtype) do not, and from two slices on their running sum
     is a second set; and one whole boundary more, the batch's input gradient (or a kept graph's output) that the

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_lazytrain.engine.gradient_only_linear import mlp_output_skipped
+from lightning_lazytrain.engine.compute.gradient_only_linear import mlp_output_skipped
 from lightning_lazytrain.models.adapter import ModelAdapter
 
 from .layer_memory import measure_layer_memory, measure_mlp_recompute_graph, rows_scaled_working_bytes, trainable_bytes

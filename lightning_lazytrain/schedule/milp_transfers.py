@@ -1,7 +1,7 @@
 """The link and disk side of the placement MILP: when each offload and reload can run, and what it costs.
 
-The rules follow what the engine does (``engine/stack.py``, ``engine/activations/homes.py``), not a looser model,
-so that a plan the solver calls hidden is hidden when it runs:
+The rules follow what the engine does (``engine/compute/stack.py``, ``engine/activations/homes.py``), not a looser
+model, so that a plan the solver calls hidden is hidden when it runs:
 
 * A step is the forward of layers 0..L-1, the head (window L), then the backward blocks from the top. Window w
   has a forward part (``forward_seconds[w]``) and a backward part (``window_seconds[w] - forward_seconds[w]``; a

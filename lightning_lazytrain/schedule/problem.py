@@ -43,7 +43,8 @@ class ScheduleProblem:
         forward_seconds: ``rho_j`` for layers ``0..L-1``: time of one forward of layer j (what re-building a
             dropped boundary costs).
         rerun_seconds: per layer, its forward-with-grad re-run in its own backward, which skips the MLP's output
-            projection (`engine/gradient_only_linear.py`): what keeping its graph saves. ``None``: ``forward_seconds``.
+            projection (`engine/compute/gradient_only_linear.py`): what keeping its graph saves. ``None``:
+            ``forward_seconds``.
         window_seconds: compute time of window w (layer w's forward, re-run and backward), the time transfers can
             hide in.
         param_h2d_bytes: mandatory parameter bytes copied host->GPU during window w (both passes together).

@@ -57,7 +57,7 @@ class Profile:
     mlp_graph_bytes[j] / mlp_seconds[j]: the graph bytes of layer j when its MLP re-runs in the backward, and one
     no-grad forward of its MLP; empty: not profiled (the MILP does not offer that choice).
     rerun_seconds[j]: one forward of layer j without its MLP's output projection, what its re-run in the backward
-    computes (`engine/gradient_only_linear.py`); empty: not profiled (``forward_seconds``).
+    computes (`engine/compute/gradient_only_linear.py`); empty: not profiled (``forward_seconds``).
     backward_seconds[j]: layer j's backward, its re-run aside: input gradients through every weight, weight
     gradients of the trainable ones only (`layer_backward.py`; a frozen LoRA base layer about 1x its forward);
     grad_bytes[j]: its trainable weights' gradients in the stream dtype, what goes back to the host (none for a

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from lightning_lazytrain.engine.loss import chunked_causal_lm_loss, chunked_token_accuracy
-from lightning_lazytrain.engine.stack import LayerCall
+from lightning_lazytrain.engine.compute.stack import LayerCall
+from lightning_lazytrain.engine.loss.chunked import chunked_causal_lm_loss, chunked_token_accuracy
 from lightning_lazytrain.engine.weights.binding import bound
 from lightning_lazytrain.engine.weights.layout import ParamUnit
 from lightning_lazytrain.models import ModelAdapter

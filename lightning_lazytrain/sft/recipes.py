@@ -1,7 +1,8 @@
-"""The shipped recipes: LightningCLI YAML configs inside the package, found by name.
+"""The shipped recipes: LightningCLI YAML configs in the repository's top-level ``recipes/``, found by name.
 
-``lazytrain fit --config qwen2.5-7b`` reads ``qwen2.5-7b.yaml`` from this folder, so an install from the wheel
-runs them without the repository; a ``--config`` that names an existing file is that file. ``lazytrain recipes``
+The wheel installs that folder as ``lightning_lazytrain/recipes/`` (``package-dir`` in pyproject.toml; a top-level
+``recipes`` would collide with torchtune's), so ``lazytrain fit --config qwen2.5-7b`` reads ``qwen2.5-7b.yaml``
+without the repository; a ``--config`` that names an existing file is that file. ``lazytrain recipes``
 lists them, each with the first paragraph of its leading comment.
 """
 
@@ -16,8 +17,12 @@ SUFFIX = ".yaml"
 
 
 def recipes_dir() -> Path:
-    """The folder of the shipped recipes (a real directory: setuptools installs package data unzipped)."""
-    return Path(str(files(__package__)))
+    """The folder of the shipped recipes: ``lightning_lazytrain/recipes/`` in an installed wheel (a real directory:
+    setuptools installs package data unzipped), else the top-level ``recipes/`` of the source tree the package is
+    imported from (an editable install, or the repository's root on the path)."""
+    package = Path(str(files("lightning_lazytrain")))
+    installed = package / "recipes"
+    return installed if installed.is_dir() else package.parent / "recipes"
 
 
 def recipe_names() -> list[str]:

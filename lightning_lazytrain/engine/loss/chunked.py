@@ -4,7 +4,7 @@ Matches ``transformers``' ``ForCausalLMLoss``: labels shifted left by one, ``-10
 mean over the counted tokens (or a sum divided by ``num_items_in_batch`` when given). Only the rows that carry a
 label go through the head at all, which for supervised fine-tuning (loss on the response only) skips the prompt.
 Under grad mode each chunk's gradients are computed with its loss (``_ChunkedHeadLoss``), so no logits are kept
-and none are computed twice. On CUDA with Triton, one kernel (``loss_kernel.py``) does a chunk's softmax over the
+and none are computed twice. On CUDA with Triton, one kernel (``kernel.py``) does a chunk's softmax over the
 logits in their own dtype and cuBLAS adds each chunk's weight gradient into the fp32 sum; elsewhere torch ops do
 both over fp32 logits.
 """
@@ -38,7 +38,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         wants_grads = grad_hidden is not None or grad_weight is not None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         if kernel:
-            from lightning_lazytrain.engine.loss_kernel import row_loss_and_grad_
+            from lightning_lazytrain.engine.loss.kernel import row_loss_and_grad_
         for start in range(0, hidden.shape[0], chunk_rows):
             h = hidden[start : start + chunk_rows].to(compute_dtype)
             tgt = targets[start : start + chunk_rows]
@@ -102,7 +102,7 @@ def _logits(h: torch.Tensor, weight: torch.Tensor, autocast_dtype: torch.dtype |
 
 
 def triton_available() -> bool:
-    """Whether Triton is importable (CUDA builds of torch bring it), and with it ``loss_kernel.py``."""
+    """Whether Triton is importable (CUDA builds of torch bring it), and with it ``kernel.py``."""
     return importlib.util.find_spec("triton") is not None
 
 
@@ -136,7 +136,7 @@ def chunked_causal_lm_loss(
     """Mean next-token cross-entropy of ``hidden @ weight.T`` against ``labels`` (B, T), HF's convention.
 
     ``chunk_bytes`` bounds a chunk's logits (fp32 for the torch ops, the compute dtype for the kernel); ``kernel``:
-    the Triton kernel of ``loss_kernel.py`` (None: on CUDA where Triton is importable)."""
+    the Triton kernel of ``kernel.py`` (None: on CUDA where Triton is importable)."""
     shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
     rows = (shifted != IGNORE_INDEX).nonzero().squeeze(1)
     flat = hidden.reshape(-1, hidden.shape[-1])

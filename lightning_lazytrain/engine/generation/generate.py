@@ -1,7 +1,7 @@
 """Evaluation-time ``generate``: the layers resident for the evaluation, or streamed once per step for the batch.
 
 The model's ``generate`` is replaced on the instance. Each call is planned by
-:func:`lightning_lazytrain.engine.generation_plan.plan_generation`:
+:func:`lightning_lazytrain.engine.generation.plan.plan_generation`:
 
 - **resident**: every decoder layer is copied once into one device buffer (kept until :meth:`release`, which the
   strategy calls when the evaluation ends and before the next training batch), the parameters point at it for the
@@ -25,7 +25,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_lazytrain.engine.device import device_free_bytes
-from lightning_lazytrain.engine.generation_plan import (
+from lightning_lazytrain.engine.generation.plan import (
     GenerationMode,
     GenerationPlan,
     check_generation_mode,

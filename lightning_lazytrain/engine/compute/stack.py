@@ -17,12 +17,12 @@ import torch
 from torch import nn
 
 from lightning_lazytrain.engine.activations.homes import ActivationHomes
+from lightning_lazytrain.engine.compute.gradient_only_linear import mlp_output_skipped
+from lightning_lazytrain.engine.compute.micro_batches import SummedGrads, row_slices, split_call
+from lightning_lazytrain.engine.compute.mlp_recompute import checkpointed_mlp
+from lightning_lazytrain.engine.compute.rng import RngState, capture_rng, restore_rng, rng_fork
 from lightning_lazytrain.engine.device import DeviceQueues
-from lightning_lazytrain.engine.gradient_only_linear import mlp_output_skipped
-from lightning_lazytrain.engine.micro_batches import SummedGrads, row_slices, split_call
-from lightning_lazytrain.engine.mlp_recompute import checkpointed_mlp
 from lightning_lazytrain.engine.plan import Schedule
-from lightning_lazytrain.engine.rng import RngState, capture_rng, restore_rng, rng_fork
 from lightning_lazytrain.engine.weights.binding import bound, leaves_of
 from lightning_lazytrain.engine.weights.layout import ParamUnit
 from lightning_lazytrain.engine.weights.slots import Slot, SlotPool

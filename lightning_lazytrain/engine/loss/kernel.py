@@ -1,9 +1,9 @@
 """A chunk's cross-entropy and its logits gradient in one Triton kernel, on CUDA, over the logits in place.
 
-The torch ops of ``loss.py`` make an fp32 copy of each chunk's logits and pass over it nine times (the copy, the
+The torch ops of ``chunked.py`` make an fp32 copy of each chunk's logits and pass over it nine times (the copy, the
 four passes of ``logsumexp``, the shift, the exp, the scale, the cast back). This kernel reads the logits twice in
 their own dtype and writes the gradient once over them: a row's log-sum-exp by an online max and sum in fp32, then
-``(exp(logit - lse) - onehot) * scale`` in the order ``loss.py`` computes it, rounded once to the logits' dtype.
+``(exp(logit - lse) - onehot) * scale`` in the order ``chunked.py`` computes it, rounded once to the logits' dtype.
 At the 7B head (152064 rows) and batch 192 x 1024 on an H100, the torch ops' elementwise kernels were busy 1.19 s
 of the head's 2.16 s (``benchmarks/results/archive/trace_phases_7b_b192_f3994ed_cpu2.json``). Imported only where
 Triton is.

@@ -1,0 +1,1 @@
+"""Generation: evaluation-time `generate` with the layers resident or streamed, and the plan that picks one."""
