@@ -23,6 +23,7 @@ LIBRARY = (
     "parallel",
     "checkpointing",
     "resume",
+    "run_engine",
     "planning",
     "admission",
     "tier_report",
