@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 
 class RunEngine:
-    """The arguments are the strategy's of the same names (``LazyTrainStrategy`` documents them), checked."""
+    """Built from the strategy's arguments of the same names (``LazyTrainStrategy`` documents them), checked there.
+    ``executor`` and ``generation`` are None before the first setup and after teardown."""
 
     def __init__(self, model_attr: str | None, num_slots: int | None, prefetch_depth: int, pin_memory: bool | None,
                  timeout_s: float, fused_kernels: FusedKernels, overlap_updates: bool, device_updates: DeviceUpdates,
@@ -46,16 +47,19 @@ class RunEngine:
         self.generation: EvalGeneration | None = None
 
     def check_device(self, device: torch.device) -> None:
+        """At ``setup_environment``, once the device is known."""
         if self.pin_memory and device.type != "cuda":
             raise ValueError("pin_memory=True needs a CUDA device; drop it or use accelerator='gpu'.")
 
     def build(self, model: torch.nn.Module, precision: LazyTrainPrecision, device: torch.device, run_plan: RunPlan,
               processes: ProcessGroup, module: pl.LightningModule) -> StreamingExecutor:
         """The executor over ``model``'s one HF model (converted to the precision's dtypes) on the plan's start,
-        built once: a later setup of the same strategy (``validate`` after ``fit``) keeps it."""
+        built once: a later setup of the same strategy (``validate`` after ``fit``) keeps it. The HF model is looked
+        for at every setup, so a module without one is refused then."""
+        hf_model = find_hf_model(model, self.model_attr)
         if self.executor is not None:
             return self.executor
-        adapter = adapter_for(find_hf_model(model, self.model_attr))
+        adapter = adapter_for(hf_model)
         precision.convert_module(model)
         plan = run_plan.start(device.type, adapter.num_layers)
         pin = device.type == "cuda" if self.pin_memory is None else self.pin_memory
