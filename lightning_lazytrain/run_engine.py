@@ -36,9 +36,19 @@ class RunEngine:
     """Built from the strategy's arguments of the same names (``LazyTrainStrategy`` documents them), checked there.
     ``executor`` and ``generation`` are None before the first setup and after teardown."""
 
-    def __init__(self, model_attr: str | None, num_slots: int | None, prefetch_depth: int, pin_memory: bool | None,
-                 timeout_s: float, fused_kernels: FusedKernels, overlap_updates: bool, device_updates: DeviceUpdates,
-                 gradient_home: GradientHome, generation_mode: GenerationMode) -> None:
+    def __init__(
+        self,
+        model_attr: str | None,
+        num_slots: int | None,
+        prefetch_depth: int,
+        pin_memory: bool | None,
+        timeout_s: float,
+        fused_kernels: FusedKernels,
+        overlap_updates: bool,
+        device_updates: DeviceUpdates,
+        gradient_home: GradientHome,
+        generation_mode: GenerationMode,
+    ) -> None:
         self.model_attr, self.num_slots, self.prefetch_depth = model_attr, num_slots, prefetch_depth
         self.pin_memory, self.timeout_s, self.fused_kernels = pin_memory, timeout_s, fused_kernels
         self.overlap_updates, self.device_updates, self.gradient_home = overlap_updates, device_updates, gradient_home
@@ -51,8 +61,15 @@ class RunEngine:
         if self.pin_memory and device.type != "cuda":
             raise ValueError("pin_memory=True needs a CUDA device; drop it or use accelerator='gpu'.")
 
-    def build(self, model: torch.nn.Module, precision: LazyTrainPrecision, device: torch.device, run_plan: RunPlan,
-              processes: ProcessGroup, module: pl.LightningModule) -> StreamingExecutor:
+    def build(
+        self,
+        model: torch.nn.Module,
+        precision: LazyTrainPrecision,
+        device: torch.device,
+        run_plan: RunPlan,
+        processes: ProcessGroup,
+        module: pl.LightningModule,
+    ) -> StreamingExecutor:
         """The executor over ``model``'s one HF model (converted to the precision's dtypes) on the plan's start,
         built once: a later setup of the same strategy (``validate`` after ``fit``) keeps it. The HF model is looked
         for at every setup, so a module without one is refused then."""
@@ -64,9 +81,16 @@ class RunEngine:
         plan = run_plan.start(device.type, adapter.num_layers)
         pin = device.type == "cuda" if self.pin_memory is None else self.pin_memory
         self.executor = StreamingExecutor(
-            adapter, device, precision.master_dtype, precision.stream_dtype, plan,
-            num_slots=self.num_slots, prefetch_depth=self.prefetch_depth, pin_memory=pin,
-            timeout_s=self.timeout_s, spill_dir=run_plan.settings.spill_dir,
+            adapter,
+            device,
+            precision.master_dtype,
+            precision.stream_dtype,
+            plan,
+            num_slots=self.num_slots,
+            prefetch_depth=self.prefetch_depth,
+            pin_memory=pin,
+            timeout_s=self.timeout_s,
+            spill_dir=run_plan.settings.spill_dir,
             store_factory=processes.store_factory(module),
             fused_kernels=use_fused_kernels(self.fused_kernels, device.type),
             loss_kernel=False if self.fused_kernels == "none" else None,
@@ -74,8 +98,9 @@ class RunEngine:
         self.generation = EvalGeneration(self.executor, self.generation_mode)
         return self.executor
 
-    def choose_path(self, processes: ProcessGroup, trainer: pl.Trainer, optimizers: list[torch.optim.Optimizer],
-                    fitting: bool) -> None:
+    def choose_path(
+        self, processes: ProcessGroup, trainer: pl.Trainer, optimizers: list[torch.optim.Optimizer], fitting: bool
+    ) -> None:
         """The run's gradient/update path, chosen once (``ProcessGroup.update_path``)."""
         executor = self.executor
         assert executor is not None
@@ -83,11 +108,18 @@ class RunEngine:
             return
         optimizer = optimizers[0] if fitting and optimizers else None
         engine_can_update = fitting and self.engine_can_update(trainer, optimizers)
-        executor.use_path(processes.update_path(executor, fitting, optimizer, engine_can_update, self.device_updates,
-                                                self.gradient_home))
+        executor.use_path(
+            processes.update_path(
+                executor, fitting, optimizer, engine_can_update, self.device_updates, self.gradient_home
+            )
+        )
 
-    def bind(self, precision: LazyTrainPrecision, trainer: pl.Trainer,
-             engine_step: Callable[[StreamingExecutor, pl.Trainer, float | None], None] | None) -> None:
+    def bind(
+        self,
+        precision: LazyTrainPrecision,
+        trainer: pl.Trainer,
+        engine_step: Callable[[StreamingExecutor, pl.Trainer, float | None], None] | None,
+    ) -> None:
         """Hand the precision plugin the device, the wait for host gradients, and, when the engine runs the update
         itself during a fit, ``engine_step`` (``ResumeState.engine_step``: it counts the skipped steps)."""
         executor = self.executor
@@ -100,11 +132,17 @@ class RunEngine:
     def engine_can_update(self, trainer: pl.Trainer, optimizers: list[torch.optim.Optimizer]) -> bool:
         """The engine runs the update itself: one optimizer that can update a subset of parameters
         (``step_params``), automatic optimization, no gradient accumulation, and ``overlap_updates``."""
-        return (self.overlap_updates and len(optimizers) == 1 and hasattr(optimizers[0], "step_params")
-                and trainer.lightning_module.automatic_optimization and trainer.accumulate_grad_batches == 1)
+        return (
+            self.overlap_updates
+            and len(optimizers) == 1
+            and hasattr(optimizers[0], "step_params")
+            and trainer.lightning_module.automatic_optimization
+            and trainer.accumulate_grad_batches == 1
+        )
 
-    def admit(self, optimizers: list[torch.optim.Optimizer], precision: str, processes: ProcessGroup,
-              trainer: pl.Trainer) -> AdmissionReport:
+    def admit(
+        self, optimizers: list[torch.optim.Optimizer], precision: str, processes: ProcessGroup, trainer: pl.Trainer
+    ) -> AdmissionReport:
         """Before a fit: refuse a run this host or device cannot hold (``admission.py``), log what it needs, and
         keep Lightning's weight-averaging callbacks in step with the engine (``weight_averaging.py``)."""
         executor = self.executor

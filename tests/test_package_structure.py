@@ -188,8 +188,9 @@ def _package_strategies() -> list[type]:
         if needed is not None and importlib.util.find_spec(needed) is None:
             continue
         module = importlib.import_module(name)
-        found += [c for c in vars(module).values()
-                  if isinstance(c, type) and issubclass(c, Strategy) and c.__module__ == name]
+        found += [
+            c for c in vars(module).values() if isinstance(c, type) and issubclass(c, Strategy) and c.__module__ == name
+        ]
     return found
 
 
