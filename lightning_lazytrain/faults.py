@@ -135,7 +135,7 @@ _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 def gpu_out_of_memory(exc: BaseException, available: int | None, batch_shape: tuple[int, int] | None,
                       plan: str) -> GpuMemoryError:
     """``exc`` is torch's OutOfMemoryError; the size it tried to allocate is read from its message. ``plan``: the
-    plan that ran out, in a line (`planning.run_plan.plan_summary`)."""
+    plan that ran out, in a line (`planning.oom_ladder.plan_summary`)."""
     found = re.search(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)", str(exc))
     asked = int(float(found.group(1)) * _UNITS[found.group(2)]) if found else None
     # an MILP plan's shape: the largest batch so far, which the plan was solved for (`planning/replan.py`)

@@ -8,39 +8,39 @@ group, and ``reduce`` / ``barrier`` / ``broadcast`` return at once, exactly as a
 ``force_distributed`` is set: then one process runs the whole multi-process path (a process group of one rank,
 sharded store and updates, sharded checkpoints), so it can be tested and timed on a machine with one device.
 
-Everything else that differs between one process and several is answered here too, so the strategy asks without
-branching: which host store (a private one, or the machine's shared copy with sharded masters), how the optimizer
-is set up (without moment tensors when the engine shards it), which update path runs, what admission counts per
-host, whether the OOM ladder may re-plan this process alone, and how checkpoints are laid out (one file, or a
-directory of rank shards).
+``ProcessGroup`` is the strategy's part that holds all this: the devices, node count and cluster environment
+Lightning hands the strategy, the ranks, and the group once open. Everything else that differs between one process
+and several is answered here too, so the strategy asks without branching: which host store (a private one, or the
+machine's shared copy with sharded masters), how the optimizer is set up (without moment tensors when the engine
+shards it), which update path runs, what admission counts per host, and whether the OOM ladder may re-plan this
+process alone. How checkpoints are laid out over the processes is the checkpoint part's (``checkpointing.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed
+from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _init_dist_connection,
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
-from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 from lightning_lazytrain import node_load
-from lightning_lazytrain.checkpoint import sharded as sharded_checkpoint
 from lightning_lazytrain.engine import StreamingExecutor
 from lightning_lazytrain.engine.grads.homes import STAGED_HOMES
 from lightning_lazytrain.engine.updates.paths import UpdatePath, direct_path, host_path, sharded_path
@@ -50,55 +50,81 @@ from lightning_lazytrain.optim.hybrid_adamw import defer_state_allocation
 from lightning_lazytrain.planning.update_placement import DeviceUpdates, place_updates
 
 
-class ProcessGroupStrategy(ParallelStrategy):
-    """One process per device; the subclass defines ``timeout_s`` (the process group's collective timeout) and
-    builds ``executor`` at setup."""
+def processes_attribute(name: str, settable: bool = False) -> property:
+    """A strategy property that Lightning reads (and, ``settable``, sets) whose value its ``ProcessGroup`` holds."""
 
-    topology: Topology | None = None
-    timeout_s: float = 1800.0
-    force_distributed: bool = False
-    executor: StreamingExecutor | None = None
+    def get(strategy: Any) -> Any:
+        return getattr(strategy.processes, name)
+
+    def put(strategy: Any, value: Any) -> None:
+        setattr(strategy.processes, name, value)
+
+    return property(get, put if settable else None, doc=f"The process group's ``{name}``.")
+
+
+def processes_method(name: str) -> Callable[..., Any]:
+    """A strategy method that Lightning calls and its ``ProcessGroup`` answers."""
+
+    def call(strategy: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(strategy.processes, name)(*args, **kwargs)
+
+    call.__name__ = name
+    return call
+
+
+class ProcessGroup:
+    """This process among the run's: one per device. ``timeout_s`` is the process group's collective timeout;
+    ``force_distributed`` runs the multi-process path with one process. The strategy forwards Lightning's
+    ``parallel_devices``, ``num_nodes`` and ``cluster_environment`` here, set after it is built."""
+
+    def __init__(self, timeout_s: float, force_distributed: bool) -> None:
+        self.timeout_s, self.force_distributed = timeout_s, force_distributed
+        self.devices: list[torch.device] | None = None
+        self.num_nodes = 1
+        self.cluster_environment: ClusterEnvironment | None = None
+        self.topology: Topology | None = None
 
     @property
-    def num_nodes(self) -> int:
-        return getattr(self, "_num_nodes", 1)
+    def global_rank(self) -> int:
+        return self.cluster_environment.global_rank() if self.cluster_environment is not None else 0
 
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
+    @property
+    def local_rank(self) -> int:
+        return self.cluster_environment.local_rank() if self.cluster_environment is not None else 0
+
+    @property
+    def node_rank(self) -> int:
+        return self.cluster_environment.node_rank() if self.cluster_environment is not None else 0
+
+    @property
+    def world_size(self) -> int:
+        return self.cluster_environment.world_size() if self.cluster_environment is not None else 1
 
     @property
     def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices else 1
+        """Processes on this node: one per device."""
+        return len(self.devices) if self.devices else 1
 
     @property
     def distributed(self) -> bool:
         return self.force_distributed or self.num_nodes * self.num_processes > 1
 
     @property
-    def is_distributed(self) -> bool:
-        """Read by Lightning's accelerator connector: True makes the trainer add a ``DistributedSampler``."""
-        return self.distributed
-
-    @property
     def root_device(self) -> torch.device:
-        if not self.parallel_devices:
+        if not self.devices:
             return torch.device("cpu")
-        return self.parallel_devices[self.local_rank if self.num_processes > 1 else 0]
+        return self.devices[self.local_rank if self.num_processes > 1 else 0]
 
     @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+    def sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        # A sharded checkpoint loads into the engine's shards, which exist only after setup.
-        return self.distributed
-
-    def _configure_launcher(self) -> None:
-        if self.distributed:
-            assert self.cluster_environment is not None
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+    def launcher(self) -> _SubprocessScriptLauncher | None:
+        """Lightning's subprocess launcher when there are several processes (it re-runs the script per extra one)."""
+        if not self.distributed:
+            return None
+        assert self.cluster_environment is not None
+        return _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -106,12 +132,10 @@ class ProcessGroupStrategy(ParallelStrategy):
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        if self.distributed:
-            self.setup_distributed()
-
-    def setup_distributed(self) -> None:
+    def open(self) -> None:
+        """With several processes: the process group (NCCL between GPUs, gloo on the CPU) and the engine's groups."""
+        if not self.distributed:
+            return
         reset_seed()
         self.set_world_ranks()
         assert self.cluster_environment is not None
@@ -135,7 +159,7 @@ class ProcessGroupStrategy(ParallelStrategy):
                 return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
+    def barrier(self, name: str | None = None) -> None:
         if not _distributed_is_initialized():
             return
         with self._collective("a barrier for Lightning"):
@@ -153,34 +177,31 @@ class ProcessGroupStrategy(ParallelStrategy):
         return box[0]
 
     @contextlib.contextmanager
-    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+    def init_context(self, precision_plugin: Precision) -> Iterator[None]:
         """Where ``configure_model`` and ``Trainer.init_module`` build: on the host (the engine streams from host
         memory), and on the meta device on a machine's other local ranks, so each machine loads the weights once
         (local rank 0) and the others map its shared copy at setup (``node_load.py``)."""
         empty = self.distributed and self.local_rank > 0
-        with node_load.init_context(empty), self.precision_plugin.tensor_init_context():
+        with node_load.init_context(empty), precision_plugin.tensor_init_context():
             yield
 
-    @property
-    def store_factory(self) -> Callable[..., HostParamStore]:
+    def store_factory(self, module: pl.LightningModule) -> Callable[..., HostParamStore]:
         """One process: a private host store; several: the machine's shared streamed copy, masters sharded."""
         if self.distributed:
-            return functools.partial(node_load.node_store, topology=self.topology, module=self.lightning_module)
+            return functools.partial(node_load.node_store, topology=self.topology, module=module)
         return HostParamStore
 
     def optimizer_setup(self) -> AbstractContextManager[None]:
         """Around ``setup_optimizers``: with several processes the engine's shard optimizer holds the states."""
         return defer_state_allocation() if self.distributed else contextlib.nullcontext()
 
-    def update_path(self, training: bool, optimizer: torch.optim.Optimizer | None, engine_can_update: bool,
-                    device_updates: DeviceUpdates, gradient_home: str = "host") -> UpdatePath:
+    def update_path(self, executor: StreamingExecutor, training: bool, optimizer: torch.optim.Optimizer | None,
+                    engine_can_update: bool, device_updates: DeviceUpdates, gradient_home: str = "host") -> UpdatePath:
         """The run's gradient/update path: for training, sharded with several processes (the only way they train),
         else the engine's per-unit updates when the optimizer and loop allow them, else host gradients for
         Lightning's optimizer step; evaluation runs no backward and gets the host path. ``gradient_home``
         (``grads/homes.py``) applies to the engine's per-unit updates; the others keep their gradients on the
         host."""
-        executor = self.executor
-        assert executor is not None
         store, queues, timeout = executor.store, executor.queues, executor.timeout_s
         if training and gradient_home in STAGED_HOMES and (self.distributed or not engine_can_update):
             raise ValueError(
@@ -213,19 +234,3 @@ class ProcessGroupStrategy(ParallelStrategy):
     def replans_alone(self) -> bool:
         """Whether this process may change its plan by itself (the OOM ladder): only when it is the only one."""
         return not self.distributed
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
-        if not self.distributed:
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
-        assert self.executor is not None
-        meta = None
-        if self.is_global_zero:
-            meta = sharded_checkpoint.layout_meta(self.executor.store, self.executor.adapter.model)
-        sharded_checkpoint.save_sharded(checkpoint, filepath, self.global_rank, meta)
-
-    def remove_checkpoint(self, filepath: _PATH) -> None:
-        if self.distributed and os.path.isdir(filepath):
-            if self.is_global_zero:
-                sharded_checkpoint.remove_sharded(filepath)
-            return
-        super().remove_checkpoint(filepath)

@@ -4,7 +4,8 @@ Lightning already saves weights, optimizer and LR scheduler states, loop progres
 data position. The strategy adds, under ``checkpoint["lazytrain"]``:
 
 * the skipped-step counters (``skipped_steps`` and the non-finite guard's streak), so an abort after three bad steps
-  in a row counts across a resume;
+  in a row counts across a resume (`ResumeState.engine_step` counts them, and names the checkpoint to resume from
+  when the engine's update fails);
 * the plan half, from the run's plan (`planning.run_plan.RunPlan.state_dict`): the solved MILP plan and the batch
   shape it was solved for, so a resume runs the same plan without re-solving (for any batch no larger), and what
   the OOM fallback ladder changed (its plan and the settings it lowered), so a run resumed past the steps the
@@ -15,19 +16,23 @@ data position. The strategy adds, under ``checkpoint["lazytrain"]``:
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import re
 import warnings
 from typing import Any
 
+import lightning.pytorch as pl
 import numpy as np
 import torch
 
 from lightning_lazytrain.checkpoint.atomic import CorruptCheckpointError, find_last_good
+from lightning_lazytrain.engine import StreamingExecutor
 from lightning_lazytrain.optim import NonFiniteGuard
 from lightning_lazytrain.planning import RunPlan
 
+log = logging.getLogger(__name__)
 STATE_KEY = "lazytrain"
 #: the names ``trainer.fit(ckpt_path="last")`` resolves to (ModelCheckpoint's ``last.ckpt``, ``last-v1.ckpt``, ...)
 _LAST_NAME = re.compile(r"^last(-v?\d+)?\.ckpt$")
@@ -111,3 +116,24 @@ class ResumeState:
         inherit its random streams, or its OOM ladder)."""
         self._pending_rng = None
         self.run_plan.forget_pending()
+
+    def engine_step(self, executor: StreamingExecutor, trainer: pl.Trainer, clip_val: float | None) -> None:
+        """The engine's own update; a failure names the last good checkpoint, a non-finite norm skips the step."""
+        try:
+            stepped = executor.direct_step(clip_val, self.nonfinite_guard, trainer.global_step)
+        except RuntimeError as exc:
+            reason = str(exc).rstrip(".")
+            raise RuntimeError(f"{reason}. Last good checkpoint: {last_checkpoint(trainer)}") from exc
+        if not stepped:
+            self.skipped_steps += 1
+            log.warning("lazytrain: non-finite gradient norm at step %d, step skipped (%d so far)",
+                        trainer.global_step, self.skipped_steps)
+
+
+def last_checkpoint(trainer: pl.Trainer) -> str:
+    """The newest checkpoint a ModelCheckpoint callback wrote, for the abort message. Skipped steps leave the
+    weights untouched, so a checkpoint written after one still holds the last good weights."""
+    paths = [getattr(cb, "last_model_path", "") or getattr(cb, "best_model_path", "")
+             for cb in trainer.checkpoint_callbacks]
+    paths = [p for p in paths if p]
+    return paths[-1] if paths else "none (no ModelCheckpoint has saved yet)"

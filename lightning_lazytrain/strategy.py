@@ -1,45 +1,45 @@
 """``LazyTrainStrategy``: Lightning glue around the streaming executor.
 
-The user's LightningModule and its HF model stay as they are. At setup the strategy finds the one
-``PreTrainedModel`` in the module, moves its parameters into the host store (they stay CPU parameters, so any
-torch optimizer over ``module.parameters()`` updates the masters), and hooks the model so its forward streams.
-What differs between one process and several is asked of the parallel layer (``parallel.py``).
+The user's LightningModule and its HF model stay as they are; the strategy's parts do the work, and each Lightning
+hook here hands off to one: the executor (``run_engine.RunEngine``), the processes (``parallel.ProcessGroup``), the
+checkpoints (``checkpointing.RunCheckpoints``), the run's plan and its OOM ladder (``planning/``) and the state a
+resume restores (``resume.ResumeState``).
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from typing_extensions import override
 
-from lightning_lazytrain.admission import AdmissionReport, admission
-from lightning_lazytrain.checkpointing import CheckpointingStrategy
+from lightning_lazytrain.admission import AdmissionReport
+from lightning_lazytrain.checkpointing import RunCheckpoints, with_atomic_default
 from lightning_lazytrain.engine import StreamingExecutor
 from lightning_lazytrain.engine.device import prefer_expandable_segments
 from lightning_lazytrain.engine.generation.generate import EvalGeneration
 from lightning_lazytrain.engine.generation.plan import GenerationMode, check_generation_mode
 from lightning_lazytrain.engine.grads.homes import GradientHome, check_gradient_home
-from lightning_lazytrain.models import adapter_for, find_hf_model
-from lightning_lazytrain.models.fused_kernels import FusedKernels, check_fused_kernels, use_fused_kernels
-from lightning_lazytrain.planning import LinkDrift, OomLadder, RunPlan
+from lightning_lazytrain.models.fused_kernels import FusedKernels, check_fused_kernels
+from lightning_lazytrain.parallel import ProcessGroup, processes_attribute, processes_method
+from lightning_lazytrain.planning import LinkDrift, OomLadder, RunPlan, step_with_fallback
 from lightning_lazytrain.planning.update_placement import DeviceStates, check_device_updates
 from lightning_lazytrain.precision import LazyTrainPrecision
 from lightning_lazytrain.resume import ResumeState
+from lightning_lazytrain.run_engine import RunEngine
 from lightning_lazytrain.schedule import Schedule
 from lightning_lazytrain.schedule.plan_inputs import PlanSettings
-from lightning_lazytrain.weight_averaging import install_weight_averaging_sync
-
-log = logging.getLogger(__name__)
 
 
-class LazyTrainStrategy(CheckpointingStrategy):
+class LazyTrainStrategy(ParallelStrategy):
     """Stream an HF decoder's layers through one device from host memory; one process per device.
 
     Args:
@@ -91,7 +91,7 @@ class LazyTrainStrategy(CheckpointingStrategy):
             Triton kernels when on CUDA with ``liger-kernel`` installed (faster, smaller graphs; bf16 rounding differs
             from HF's by what TRL's ``use_liger_kernel`` differs); ``"liger"`` insists; ``"none"`` runs HF's own.
             Apart from it, the head's loss runs lazytrain's own Triton kernel on CUDA where Triton is importable
-            (``engine/loss_kernel.py``); ``"none"`` turns that off too, so no Triton kernel runs at all.
+            (``engine/loss/kernel.py``); ``"none"`` turns that off too, so no Triton kernel runs at all.
         force_distributed: run the multi-process path even with one process (``devices=1``, one node): a process
             group of one rank (NCCL on CUDA, gloo on the CPU), sharded store, updates and checkpoints. For testing
             and timing that path on one device; it trains to the same weights as the default one-process path.
@@ -132,20 +132,12 @@ class LazyTrainStrategy(CheckpointingStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
+        self.processes = ProcessGroup(timeout_s, force_distributed)  # before Lightning sets what it forwards there
         super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
-        self.model_attr = model_attr
-        self.num_slots = num_slots
-        self.prefetch_depth = prefetch_depth
-        self.pin_memory = pin_memory
-        self.timeout_s = timeout_s
-        self.force_distributed = force_distributed
-        self.fused_kernels = check_fused_kernels(fused_kernels)
-        self.overlap_updates = overlap_updates
-        self.device_updates = check_device_updates(device_update_share, device_update_states)
-        self.gradient_home = check_gradient_home(gradient_home)
-        self.generation_mode = check_generation_mode(generation)
-        self.generation: EvalGeneration | None = None
-        self.executor: StreamingExecutor | None = None
+        self.engine = RunEngine(
+            model_attr, num_slots, prefetch_depth, pin_memory, timeout_s, check_fused_kernels(fused_kernels),
+            overlap_updates, check_device_updates(device_update_share, device_update_states),
+            check_gradient_home(gradient_home), check_generation_mode(generation))
         self.last_step_stats: dict[str, float] = {}
         settings = PlanSettings(schedule, keep_graph_layers, gpu_activation_gib, cpu_activation_gib,
                                 nvme_activation_gib, spill_dir, max_recompute_span, solver_time_limit, solver_mip_gap,
@@ -154,7 +146,16 @@ class LazyTrainStrategy(CheckpointingStrategy):
         self.run_plan = RunPlan(settings, OomLadder(steps=oom_fallback_steps), LinkDrift(every=replan_every_n_steps),
                                 num_slots)
         self.resume = ResumeState(self.run_plan)
+        self.checkpoints = RunCheckpoints(self.resume, self.processes)
         self.admission_report: AdmissionReport | None = None
+
+    @property
+    def executor(self) -> StreamingExecutor | None:
+        return self.engine.executor
+
+    @property
+    def generation(self) -> EvalGeneration | None:
+        return self.engine.generation
 
     @property
     def schedule(self) -> str:
@@ -165,8 +166,26 @@ class LazyTrainStrategy(CheckpointingStrategy):
         """The solved plan the run follows (the run plan's, which checkpoints carry)."""
         return self.run_plan.solved
 
+    parallel_devices = processes_attribute("devices", settable=True)
+    cluster_environment = processes_attribute("cluster_environment", settable=True)
+    num_nodes = processes_attribute("num_nodes", settable=True)
+    root_device = processes_attribute("root_device")
+    is_distributed = processes_attribute("distributed")  # True: Lightning adds a DistributedSampler
+    distributed_sampler_kwargs = processes_attribute("sampler_kwargs")
+    restore_checkpoint_after_setup = processes_attribute("distributed")  # sharded loads need the engine's shards
+
+    def _configure_launcher(self) -> None:
+        self._launcher = self.processes.launcher()
+
+    set_world_ranks = processes_method("set_world_ranks")
+    reduce = processes_method("reduce")
+    barrier = processes_method("barrier")
+    broadcast = processes_method("broadcast")
+
+    def tensor_init_context(self, empty_init: bool | None = None) -> AbstractContextManager[None]:
+        return self.processes.init_context(self.precision_plugin)
+
     @property
-    @override
     def precision_plugin(self) -> LazyTrainPrecision:
         return self._precision_plugin if self._precision_plugin is not None else LazyTrainPrecision("32-true")
 
@@ -176,112 +195,97 @@ class LazyTrainStrategy(CheckpointingStrategy):
             plugin = LazyTrainPrecision(getattr(plugin, "precision", "32-true"))
         self._precision_plugin = plugin
 
-    @override
     def setup_environment(self) -> None:
-        if self.pin_memory and self.root_device.type != "cuda":
-            raise ValueError("pin_memory=True needs a CUDA device; drop it or use accelerator='gpu'.")
+        self.engine.check_device(self.root_device)
         super().setup_environment()
+        self.processes.open()
 
-    @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        precision = self.precision_plugin
-        hf_model = find_hf_model(self.model, self.model_attr)
-        if self.executor is None:
-            adapter = adapter_for(hf_model)
-            precision.convert_module(self.model)
-            plan = self.run_plan.start(self.root_device.type, adapter.num_layers)
-            pin = self.root_device.type == "cuda" if self.pin_memory is None else self.pin_memory
-            self.executor = StreamingExecutor(
-                adapter, self.root_device, precision.master_dtype, precision.stream_dtype, plan,
-                num_slots=self.num_slots, prefetch_depth=self.prefetch_depth, pin_memory=pin,
-                timeout_s=self.timeout_s, spill_dir=self.run_plan.settings.spill_dir, store_factory=self.store_factory,
-                fused_kernels=use_fused_kernels(self.fused_kernels, self.root_device.type),
-                loss_kernel=False if self.fused_kernels == "none" else None,
-            )
-            self.generation = EvalGeneration(self.executor, self.generation_mode)
+        self.engine.build(self.model, self.precision_plugin, self.root_device, self.run_plan, self.processes,
+                          self.lightning_module)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
-            with self.optimizer_setup():
+            with self.processes.optimizer_setup():
                 self.setup_optimizers(trainer)
-        if self.executor.path is None:
-            optimizer = self.optimizers[0] if fitting and self.optimizers else None
-            self.executor.use_path(self.update_path(fitting, optimizer, fitting and self._engine_can_update(trainer),
-                                                    self.device_updates, self.gradient_home))
-        engine_step = self._engine_step if fitting and self.executor.updates is not None else None
-        precision.bind(self.root_device.type, self._drain_gradients, engine_step)
+        self.engine.choose_path(self.processes, trainer, self.optimizers, fitting)
+        self.engine.bind(self.precision_plugin, trainer, self.resume.engine_step if fitting else None)
         if fitting:
-            optimizer = self.executor.path.optimizer or (self.optimizers[0] if self.optimizers else None)
-            self.admission_report = report = admission(self.executor, optimizer, precision.precision, *self.host_share)
-            report.check()
-            log.info("lazytrain admission:\n%s", report.table())
-            log.info("lazytrain CPU update path: %s", getattr(optimizer, "kernel_path", type(optimizer).__name__))
-            install_weight_averaging_sync(trainer, self.executor)
+            self.admission_report = self.engine.admit(self.optimizers, self.precision_plugin.precision,
+                                                      self.processes, trainer)
         self.setup_precision_plugin()
 
-    def _engine_can_update(self, trainer: pl.Trainer) -> bool:
-        """The engine runs the update itself: one optimizer that can update a subset of parameters
-        (``step_params``), automatic optimization, no gradient accumulation, and ``overlap_updates``."""
-        return (self.overlap_updates and len(self.optimizers) == 1 and hasattr(self.optimizers[0], "step_params")
-                and self.lightning_module.automatic_optimization and trainer.accumulate_grad_batches == 1)
-
-    @override
     def on_validation_end(self) -> None:
-        """An evaluation's resident layer copies are dropped before training resumes."""
-        if self.generation is not None:
-            self.generation.release()
+        self.engine.release_generation()
 
     on_test_end = on_predict_end = on_validation_end
 
-    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.on_validation_end()
         self.resume.before_batch()
-        if self.executor is not None:
+        if (executor := self.executor) is not None:
             trainer = self.lightning_module.trainer
-            self.run_plan.before_batch(batch, self.executor, trainer.global_step,
+            self.run_plan.before_batch(batch, executor, trainer.global_step,
                                        trainer.log_dir or trainer.default_root_dir)
 
-    @override
     def model_to_device(self) -> None:
         """Parameters stay on the host; the executor moves what a step needs."""
 
-    @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         loss = super().backward(closure_loss, optimizer, *args, **kwargs)
-        self._drain_gradients()
+        self.engine.after_backward()
         return loss
 
-    def _drain_gradients(self) -> None:
-        if self.executor is not None:
-            self.executor.after_backward()
-
-    @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """The step through the OOM ladder's retry loop (``planning/oom_ladder.py``), then the step's stats."""
         assert self.executor is not None
         trainer = self.lightning_module.trainer
-        result = self.run_plan.step_with_fallback(
-            lambda: super(LazyTrainStrategy, self).optimizer_step(optimizer, closure, model, **kwargs),
-            self.executor, trainer.global_step, trainer.accumulate_grad_batches, self.replans_alone)
-        self.executor.after_optimizer_step()
-        stats = {**self.executor.take_stats(), "skipped_steps": float(self.resume.skipped_steps)}
-        if (plan := self.run_plan.solved) is not None:
-            stats["predicted_exposed_s"] = float(plan.predicted_exposed_seconds)
-            stats["predicted_stall_s"] = float(plan.predicted_stall_seconds)
-        self.last_step_stats = stats
+        run_step = functools.partial(super().optimizer_step, optimizer, closure, model, **kwargs)
+        result = step_with_fallback(run_step, self.run_plan, self.executor, trainer.global_step,
+                                    trainer.accumulate_grad_batches, self.processes.replans_alone)
+        self.last_step_stats = {**self.engine.after_step(), "skipped_steps": float(self.resume.skipped_steps),
+                                **self.run_plan.predicted_seconds()}
         return result
 
-    @override
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        self._checkpoint_io = with_atomic_default(self._checkpoint_io)
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self.checkpoints.model_state(self.executor, self.lightning_module)
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        state = self.executor.optimizer_state() if self.executor is not None else None
+        return state if state is not None else super().optimizer_state(optimizer)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
+        self.checkpoints.save(checkpoint, filepath, storage_options, self.checkpoint_io, self.executor,
+                              self.lightning_module)
+
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        self.checkpoints.remove(filepath, self.checkpoint_io)
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        read = functools.partial(super().load_checkpoint, weights_only=weights_only)
+        return self.checkpoints.load(checkpoint_path, read, self.lightning_module)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if not self.checkpoints.load_model_state(checkpoint, self.executor, self.lightning_module):
+            super().load_model_state_dict(checkpoint, strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        self.checkpoints.load_optimizer_states(checkpoint, self.executor, self.optimizers)
+
     def teardown(self) -> None:
         self.precision_plugin.unbind()
         self.resume.end_run()
-        if self.generation is not None:
-            self.generation.close()
-            self.generation = None
-        if self.executor is not None:
-            self.executor.close()
-            self.executor = None
+        self.engine.close()
         self.precision_plugin.teardown()
         assert self.accelerator is not None
         self.accelerator.teardown()
@@ -290,7 +294,5 @@ class LazyTrainStrategy(CheckpointingStrategy):
             self.cluster_environment.teardown()
 
     @classmethod
-    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="Stream HF decoder layers from host memory")
-

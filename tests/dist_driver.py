@@ -124,7 +124,7 @@ class Probe(pl.Callback):
             "grad_shard_numel": sum(g.host.numel() for g in strategy.executor.sink.grads.values()),
             "host_pieces": strategy.admission_report.tiers["host"].pieces,
             "world_size": strategy.world_size,
-            "local_world": strategy.topology.local_world,
+            "local_world": strategy.processes.topology.local_world,
             "optimizer_threads": strategy.executor.updates.optimizer.num_threads,
         }
 

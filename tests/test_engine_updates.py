@@ -257,7 +257,7 @@ def test_the_default_share_places_no_update_on_the_cpu_accelerator(monkeypatch):
     model, data = tiny_model("qwen2"), batches(3)
     ref, _ = fit(HybridModule(copy.deepcopy(model)), data, gradient_clip_val=0.05)
     strategy, busy = LazyTrainStrategy(), BusySeconds()
-    assert strategy.device_updates.share == "plan"
+    assert strategy.engine.device_updates.share == "plan"
     lt, _ = fit(HybridModule(copy.deepcopy(model)), data, strategy, gradient_clip_val=0.05, callbacks=[busy])
     assert busy.device == 0.0 and busy.cpu > 0
     assert rel_diff(lt.model, ref.model) <= 1e-5

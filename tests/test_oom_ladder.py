@@ -208,3 +208,28 @@ def test_a_changed_schedule_is_not_overridden_by_the_saved_ladder(tmp_path, capl
     assert loading.settings.layer_micro_batches == "auto" and loading.ladder.taken == []
     assert executor.plan.micro_batches == 1 and loading.schedule.homes == Schedule.every(2, 2, 0).homes
     assert "this run has schedule='interval:2'" in caplog.text
+
+
+def test_the_retry_loop_takes_a_rung_only_in_a_process_that_replans_alone():
+    """``step_with_fallback`` on a stand-in plan: with several processes (``alone=False``) the first OOM is the
+    GpuMemoryError naming the plan's batch shape, no rung taken; alone, the step runs again after one rung."""
+    from lightning_lazytrain.engine import Schedule
+    from lightning_lazytrain.planning import OomLadder, step_with_fallback
+
+    rungs, calls = [], []
+    plan = SimpleNamespace(ladder=OomLadder(), schedule=Schedule.every(2, 1, 0), shape=(2, 8),
+                           take_rung=lambda executor, failure: rungs.append(str(failure)) or True)
+    executor = SimpleNamespace(device=torch.device("cpu"), discard_step=lambda: calls.append("discard"))
+
+    def run_step():
+        calls.append("step")
+        if calls.count("step") == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return "stepped"
+
+    with pytest.raises(GpuMemoryError, match="plan for batch 2 x 8"):
+        step_with_fallback(run_step, plan, executor, 0, 1, alone=False)
+    assert rungs == [] and calls == ["step"]
+    calls.clear()
+    assert step_with_fallback(run_step, plan, executor, 0, 1, alone=True) == "stepped"
+    assert rungs == ["CUDA out of memory. Tried to allocate 2.00 GiB"] and calls == ["step", "discard", "step"]

@@ -36,7 +36,7 @@ def test_fit_start_logs_the_update_path(monkeypatch, caplog, module_cls, path):
         enable_model_summary=False,
         enable_checkpointing=False,
     )
-    with caplog.at_level(logging.INFO, logger="lightning_lazytrain.strategy"):
+    with caplog.at_level(logging.INFO, logger="lightning_lazytrain.run_engine"):
         trainer.fit(module_cls(tiny_model("qwen3")), loader(batches(1)))
     lines = [r.getMessage() for r in caplog.records if "CPU update path" in r.getMessage()]
     assert lines == [f"lazytrain CPU update path: {path or 'AdamW'}"]

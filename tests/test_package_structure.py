@@ -1,7 +1,7 @@
 """The package's import graph: every module imports on its own, no two modules import each other (directly or
 round a loop, type-only imports counted: they are coupling too), no two rooms (the package's subpackages and
 top-level modules) either, and the library never imports the application; no source or test file is over
-``MAX_LINES`` lines."""
+``MAX_LINES`` lines; the one Lightning strategy of the package holds its parts instead of inheriting them."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ LIBRARY = (
     "parallel",
     "checkpointing",
     "resume",
+    "run_engine",
     "planning",
     "admission",
     "tier_report",
@@ -242,6 +243,35 @@ def test_the_library_imports_nothing_from_the_application():
         for n, p in library.items()
     }
     assert {n: m for n, m in offenders.items() if m} == {}
+
+
+def _package_strategies() -> list[type]:
+    """The classes the package defines that are Lightning strategies."""
+    from lightning.pytorch.strategies import Strategy
+
+    found = []
+    for name in sorted(_modules()):
+        needed = NEEDS.get(name)
+        if needed is not None and importlib.util.find_spec(needed) is None:
+            continue
+        module = importlib.import_module(name)
+        found += [
+            c for c in vars(module).values() if isinstance(c, type) and issubclass(c, Strategy) and c.__module__ == name
+        ]
+    return found
+
+
+def test_the_strategy_is_one_class_with_no_strategy_chain():
+    """``LazyTrainStrategy`` derives from Lightning's ``ParallelStrategy`` itself: no strategy class of ours
+    between them (the process, checkpoint and engine parts are objects it holds), and no other anywhere."""
+    from lightning.pytorch.strategies import ParallelStrategy
+
+    from lightning_lazytrain import LazyTrainStrategy
+
+    assert _package_strategies() == [LazyTrainStrategy]
+    assert LazyTrainStrategy.__bases__ == (ParallelStrategy,)
+    classes = [n for n in ast.walk(ast.parse((ROOT / "strategy.py").read_text())) if isinstance(n, ast.ClassDef)]
+    assert [c.name for c in classes] == ["LazyTrainStrategy"]
 
 
 def test_public_imports_keep_working():

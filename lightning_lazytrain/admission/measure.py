@@ -99,7 +99,7 @@ def admission(executor: StreamingExecutor, optimizer: torch.optim.Optimizer | No
 def _gradient_workspace_bytes(units: list[ParamUnit], stream_dtype: torch.dtype) -> int:
     """The largest unit's gradients as autograd returns them, alive together until the sink takes the unit: in the
     stream dtype, plus the fp32 sum the chunked head loss builds its weight gradient in when that dtype is narrower
-    (``engine/loss.py``)."""
+    (``engine/loss/chunked.py``)."""
     itemsize = stream_dtype.itemsize
     per = itemsize + (4 if itemsize < 4 else 0)
     return per * max((u.trainable_numel for u in units), default=0)

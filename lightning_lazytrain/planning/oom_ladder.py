@@ -13,8 +13,10 @@ Rungs, in order, each logged; a rung that would not change the plan is skipped:
    The user's batch, loss and optimizer step are unchanged, so unlike Lightning's gradient accumulation it needs
    no change to the training loop; what it cannot shrink is the whole-batch boundaries and the head's chunk.
 
-When no rung is left, or after the first ``steps`` optimizer steps of the running plan (the run's first, or one
-solved mid-run for a larger batch, `replan.py`), the error is today's ``GpuMemoryError``.
+The strategy runs each optimizer step through `step_with_fallback`, the one retry loop: on an out-of-memory error
+the failed step is discarded, the run's plan (`run_plan.RunPlan`) adopts the next rung's plan and the step runs
+again. When no rung is left, or after the first ``steps`` optimizer steps of the running plan (the run's first, or
+one solved mid-run for a larger batch, `replan.py`), the error is today's ``GpuMemoryError``.
 
 What the ladder changed goes into checkpoints (`run_plan.RunPlan.state_dict`): a run resumed past the first steps
 has no ladder left, so it must start on the plan and settings that fit, not on the ones that ran out of memory.
@@ -25,10 +27,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from typing import Protocol, TypeVar
 
-from lightning_lazytrain.engine import Schedule
+import torch
+
+from lightning_lazytrain.engine import Schedule, StreamingExecutor
+from lightning_lazytrain.engine.device import device_free_bytes
+from lightning_lazytrain.faults import GpuMemoryError, gpu_out_of_memory
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 RUNGS = ("smaller GPU budget", "more recompute", "CPU/NVMe homes", "smaller layer micro-batches")
 #: the plan settings a rung may change (``schedule`` only identifies the run they belong to)
 LOWERED = ("schedule", "gpu_activation_gib", "layer_micro_batches")
@@ -131,3 +139,54 @@ class OomLadder:
 def _first_sentences(failure: BaseException | None) -> str:
     """CUDA's message up to the device totals ("CUDA out of memory. Tried to allocate 2.03 GiB")."""
     return str(failure).split(". GPU")[0] if failure is not None else "unknown"
+
+
+class FallbackPlan(Protocol):
+    """What the retry loop asks of the run's plan (`run_plan.RunPlan`): its ladder, the plan running now and the
+    batch shape it was solved for (both named in the error), and to adopt the next rung's plan (False: none left)."""
+
+    ladder: OomLadder
+    schedule: Schedule | None
+    shape: tuple[int, int] | None
+
+    def take_rung(self, executor: StreamingExecutor, failure: BaseException) -> bool: ...
+
+
+def step_with_fallback(
+    run_step: Callable[[], T],
+    plan: FallbackPlan,
+    executor: StreamingExecutor,
+    step: int,
+    accumulate_grad_batches: int,
+    alone: bool,
+) -> T:
+    """``run_step()``; on an out-of-memory error in the ladder's steps (``alone``: this process may change its plan
+    by itself), the failed step is discarded, the next rung's plan adopted and the step run again. Otherwise the
+    error is `faults.GpuMemoryError`, naming the plan that ran out."""
+    while True:
+        try:
+            return run_step()
+        except torch.OutOfMemoryError as exc:
+            if not (alone and plan.ladder.applies(step, accumulate_grad_batches)):
+                raise _out_of_memory(exc, plan, executor) from exc
+            failure = exc.with_traceback(None)  # its frames hold the failed step's tensors
+        # outside the except block the failed step's frames are gone: free the GPU memory they held before the
+        # next rung is planned, or its budget would be what the failed step left free
+        executor.discard_step()
+        if executor.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if not plan.take_rung(executor, failure):
+            raise _out_of_memory(failure, plan, executor) from failure
+
+
+def plan_summary(plan: Schedule | None) -> str:
+    """A ``Schedule`` in a line: how many boundaries live in each home, and how many layers keep their graph."""
+    if plan is None:
+        return "not set"
+    slices = f", layers in {plan.micro_batches} row slices" if plan.micro_batches > 1 else ""
+    return f"{plan.counts()}, {plan.graph_layers} layers keep their graph{slices}"
+
+
+def _out_of_memory(exc: BaseException, plan: FallbackPlan, executor: StreamingExecutor) -> GpuMemoryError:
+    free = device_free_bytes(executor.device) if executor.device.type == "cuda" else None
+    return gpu_out_of_memory(exc, free, plan.shape, plan_summary(plan.schedule))

@@ -3,24 +3,21 @@ the plan settings (as given, then as the OOM ladder lowered them) and the plan h
 
 The strategy asks it at setup (`start`), before each training batch (`before_batch`: a ladder state to restore, the
 MILP solved for the first batch's shape or taken from the checkpoint, solved again for a larger batch or when the
-link drifted, `replan.py`) and around each optimizer step (`step_with_fallback`: an out-of-memory error in the
-first steps takes the next rung of `oom_ladder.py` and runs the step again). Nothing else keeps a copy.
+link drifted, `replan.py`) and, when an out-of-memory error in the first steps reaches the ladder's retry loop
+(`oom_ladder.step_with_fallback`), for the next rung's plan (`take_rung`). Nothing else keeps a copy.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
 from lightning_lazytrain.engine import Schedule, StreamingExecutor
-from lightning_lazytrain.engine.device import device_free_bytes
 from lightning_lazytrain.engine.link import measure_link_cuda
-from lightning_lazytrain.faults import gpu_out_of_memory
 from lightning_lazytrain.schedule import Profile
 from lightning_lazytrain.schedule.plan_inputs import PlanSettings, budgets
 from lightning_lazytrain.units import GIB
@@ -30,7 +27,6 @@ from .replan import LinkDrift, batch_shape, covers, grown_shape
 from .solve import executor_inputs, initial_plan, measure_profile, solve_plan, write_plan
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 class RunPlan:
@@ -50,6 +46,14 @@ class RunPlan:
     def solved(self) -> Schedule | None:
         """The MILP's plan (or the rung that replaced it) the run follows, which checkpoints carry; else None."""
         return self.schedule if self.shape is not None else None
+
+    def predicted_seconds(self) -> dict[str, float]:
+        """The MILP plan's predictions for a step, beside the measured ones in the strategy's step stats."""
+        plan = self.solved
+        if plan is None:
+            return {}
+        return {"predicted_exposed_s": float(plan.predicted_exposed_seconds),
+                "predicted_stall_s": float(plan.predicted_stall_seconds)}
 
     def start(self, device_type: str, num_layers: int) -> Schedule:
         """The plan a new executor starts on: ``schedule="auto"`` settles here, for the run's device."""
@@ -121,36 +125,10 @@ class RunPlan:
             path,
         )
 
-    def step_with_fallback(
-        self,
-        run_step: Callable[[], T],
-        executor: StreamingExecutor,
-        step: int,
-        accumulate_grad_batches: int,
-        alone: bool,
-    ) -> T:
-        """``run_step()``; on an out-of-memory error in the ladder's steps (``alone``: this process may change its
-        plan by itself), the failed step is discarded, the next rung's plan adopted and the step run again.
-        Otherwise the error is `faults.GpuMemoryError`, naming the plan that ran out."""
-        while True:
-            try:
-                return run_step()
-            except torch.OutOfMemoryError as exc:
-                if not (alone and self.ladder.applies(step, accumulate_grad_batches)):
-                    raise gpu_out_of_memory(exc, _free(executor), self.shape, plan_summary(self.schedule)) from exc
-                failure = exc.with_traceback(None)  # its frames hold the failed step's tensors
-            # outside the except block the failed step's frames are gone: free the GPU memory they held before the
-            # next rung is planned, or its budget would be what the failed step left free
-            executor.discard_step()
-            if executor.device.type == "cuda":
-                torch.cuda.empty_cache()
-            if not self._next_rung(executor, failure):
-                raise gpu_out_of_memory(failure, _free(executor), self.shape, plan_summary(self.schedule)) from failure
-
-    def _next_rung(self, executor: StreamingExecutor, failure: BaseException) -> bool:
-        """Adopt the next rung's plan; False when no rung changes the plan. An MILP rung solves again with a
-        smaller GPU budget, which later rungs and re-plans keep; the micro-batch count is kept in the settings too,
-        so that a later re-plan solves for it."""
+    def take_rung(self, executor: StreamingExecutor, failure: BaseException) -> bool:
+        """Adopt the next rung's plan (for `oom_ladder.step_with_fallback`); False when no rung changes the plan.
+        An MILP rung solves again with a smaller GPU budget, which later rungs and re-plans keep; the micro-batch
+        count is kept in the settings too, so that a later re-plan solves for it."""
         lowered: dict[str, Any] = {}
         solved: dict[int, Profile] = {}
 
@@ -236,15 +214,3 @@ class RunPlan:
             plan.counts(),
             plan.micro_batches,
         )
-
-
-def plan_summary(plan: Schedule | None) -> str:
-    """A ``Schedule`` in a line: how many boundaries live in each home, and how many layers keep their graph."""
-    if plan is None:
-        return "not set"
-    slices = f", layers in {plan.micro_batches} row slices" if plan.micro_batches > 1 else ""
-    return f"{plan.counts()}, {plan.graph_layers} layers keep their graph{slices}"
-
-
-def _free(executor: StreamingExecutor) -> int | None:
-    return device_free_bytes(executor.device) if executor.device.type == "cuda" else None

@@ -15,7 +15,8 @@ The recompute forwards of ``R(s, e)`` are left out of the windows: the capacity 
 
 Mandatory traffic per window: ``param_h2d_bytes[w] = 2 * param_bytes[w]`` (the layer's streamed weights copied for
 the forward and again for the backward; a recompute block's no-grad re-forward reuses the backward copy, as
-``engine/compute/stack.py`` does; ``reforward=False`` means the layer keeps weights and graph from the forward: one copy),
+``engine/compute/stack.py`` does; ``reforward=False`` means the layer keeps weights and graph from the forward: one
+copy),
 ``grad_d2h_bytes[w] = Profile.gradients[w]`` (the trainable weights' gradients go back in the stream dtype, bf16
 under bf16-mixed; a frozen weight sends none), scaled to ``grad_bytes_per_param`` when that is given.
 

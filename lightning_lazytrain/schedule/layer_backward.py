@@ -3,7 +3,7 @@
 The backward of a matmul ``y = x W^T`` is the input gradient ``dx = dy W`` (2 FLOPs per weight and token) for
 every weight, frozen or not, since the layers below still need it, and the weight gradient ``dW = dy^T x`` (2 more)
 only for a weight that trains: autograd computes no gradient for one with ``requires_grad=False``, and the engine
-asks for none (``engine/stack.py``). The attention's token mixing has no weights; its backward is twice its
+asks for none (``engine/compute/stack.py``). The attention's token mixing has no weights; its backward is twice its
 forward (the scores' and the values' gradients). So a layer whose weights all train costs twice its forward in
 the backward, the factor the plan charged every layer before, and a frozen base layer (LoRA, QLoRA) a little over
 once its forward, plus its adapters' weight gradients. Only the trainable weights' gradients go back to the host.

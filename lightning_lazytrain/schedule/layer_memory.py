@@ -141,8 +141,8 @@ def analytic_layer_estimates(adapter: ModelAdapter, tokens: int, itemsize: int, 
 
 
 def micro_batch_working_bytes(working_bytes: int, grad_bytes: int, boundary_bytes: int, micro_batches: int) -> int:
-    """A layer's working set when it runs in ``micro_batches`` row slices (`engine/compute/micro_batches.py`): what scales
-    with the tokens (graph of the re-run, intermediates, input gradients) divides; the weight gradients
+    """A layer's working set when it runs in ``micro_batches`` row slices (`engine/compute/micro_batches.py`): what
+    scales with the tokens (graph of the re-run, intermediates, input gradients) divides; the weight gradients
     (``grad_bytes``, the trainable weights' in the stream dtype) do not, and from two slices on their running sum
     is a second set; and one whole boundary more, the batch's input gradient (or a kept graph's output) that the
     slices' are written into."""

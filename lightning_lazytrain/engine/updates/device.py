@@ -1,4 +1,5 @@
-"""Some units' optimizer updates on the GPU, beside the CPU's (``placement.py`` says which), pipelined over units.
+"""Some units' optimizer updates on the GPU, beside the CPU's (``planning/update_placement.py`` says which),
+pipelined over units.
 
 A device unit's gradients stay on the device after the backward (no D2H). Its update runs the same math as the CPU
 kernel (``optim.reference.reference_step``, from ``HybridAdamW.prepare_update``'s scalars) on device copies of the
