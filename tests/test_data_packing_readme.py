@@ -38,8 +38,10 @@ class ReadmeModule(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-def _data() -> tuple[dict, list[list[torch.Tensor]], list[list[torch.Tensor]]]:
-    """A packed training batch, and for each of its rows the samples it packs (their ids and labels)."""
+@pytest.fixture(scope="module")
+def packed() -> tuple[dict, list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+    """A packed training batch, and for each of its rows the samples it packs (their ids and labels); tokenized
+    once for the module (the tests only read it)."""
     kw = dict(
         max_seq_length=SEQ, val_fraction=0.0, max_samples=12, batch_size=2, cache_tokenized=False, show_sample=False
     )
@@ -102,9 +104,9 @@ def _loss_alone(alone: list[list[torch.Tensor]], labels: list[list[torch.Tensor]
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
-def test_the_readme_forward_of_a_packed_batch_gives_each_sample_its_own_logits(family, attn):
+def test_the_readme_forward_of_a_packed_batch_gives_each_sample_its_own_logits(packed, family, attn):
     model = _model(family, attn)
-    batch, ids, labels = _data()
+    batch, ids, labels = packed
     module = ReadmeModule(model).train()  # as in a training step: config.use_cache stays at its default
     with torch.no_grad():
         out = module.model(**batch)
@@ -114,9 +116,9 @@ def test_the_readme_forward_of_a_packed_batch_gives_each_sample_its_own_logits(f
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
-def test_the_readme_module_keeps_packed_samples_apart_through_lazytrain(family):
+def test_the_readme_module_keeps_packed_samples_apart_through_lazytrain(packed, family):
     model = _model(family)
-    batch, ids, labels = _data()
+    batch, ids, labels = packed
     alone = _alone(model, ids)
     trainer_kw = dict(
         accelerator="cpu",
