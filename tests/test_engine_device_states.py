@@ -104,7 +104,8 @@ def test_state_dicts_read_mid_run_hold_the_step_just_taken(share, states):
 
 
 def test_resident_homes_beyond_the_budget_go_back_to_the_cpu():
-    traffic = [UnitTraffic(numel=10, h2d_bytes=0, d2h_bytes=20, grad_bytes=20, home_bytes=100) for _ in range(5)]
+    traffic = [UnitTraffic(numel=10, h2d_bytes=0, d2h_bytes=20, grad_bytes=20, stream_bytes=20, home_bytes=100)
+               for _ in range(5)]
     flags = [True, False, True, True, True]
     assert homes_that_fit(traffic, flags, 250) == [True, False, True, False, False]
     assert homes_that_fit(traffic, flags, 1000) == flags

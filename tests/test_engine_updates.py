@@ -202,7 +202,8 @@ def test_split_units_balances_finish_times_in_forward_order():
     from lightning_lazytrain.engine.updates.traffic import UnitTraffic
     from lightning_lazytrain.planning.update_placement import split_by_share, split_units
 
-    units = [UnitTraffic(numel=100, h2d_bytes=600, d2h_bytes=800, grad_bytes=200) for _ in range(8)]
+    units = [UnitTraffic(numel=100, h2d_bytes=600, d2h_bytes=800, grad_bytes=200, stream_bytes=200)
+             for _ in range(8)]
     # CPU 100 params/s (1 s a unit), device link 800 B/s (1 s a unit): alternate, the first to the CPU (ties)
     assert split_units(units, 100.0, 800.0, 800.0) == [False, True] * 4
     # a device three times slower gets one unit in four

@@ -72,7 +72,8 @@ def test_instances_are_not_trivial():
         best = brute_force(p)
         worse_all_cpu += simulate(p, (False,) * len(p.cpu_seconds)) > best + 1e-6
         if p.device_bytes is None:
-            traffic = [UnitTraffic(numel=round(c * 1e6), h2d_bytes=round(d * 1e6), d2h_bytes=0, grad_bytes=0)
+            traffic = [UnitTraffic(numel=round(c * 1e6), h2d_bytes=round(d * 1e6), d2h_bytes=0, grad_bytes=0,
+                                   stream_bytes=0)
                        for c, d in zip(p.cpu_seconds, p.device_seconds, strict=True)]
             greedy = split_units(traffic, 1e6, 1e6, 1e6)
             greedy_misses += simulate(p, tuple(greedy)) > best + 1e-4

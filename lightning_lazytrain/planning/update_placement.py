@@ -85,7 +85,7 @@ def split_by_share(traffic: list[UnitTraffic], share: float) -> list[bool]:
         return [False] * len(traffic)
     if share >= 1:
         return [True] * len(traffic)
-    fake = [UnitTraffic(t.numel, t.numel, t.numel, t.grad_bytes) for t in traffic]
+    fake = [UnitTraffic(t.numel, t.numel, t.numel, t.grad_bytes, t.stream_bytes) for t in traffic]
     return split_units(fake, 1.0 - share, share, share)
 
 
@@ -100,11 +100,11 @@ def update_problem(traffic: list[UnitTraffic], cpu_params_per_s: float, h2d_byte
                    d2h_bytes_per_s: float) -> UpdateProblem:
     """The MILP's inputs for ``traffic`` (forward order): CPU seconds from the update rate, device seconds from the
     link (as ``split_units``), each unit's next forward as its weight copy (``stream_bytes``: the whole streamed
-    unit, a frozen base's included; the trained part alone where that is unknown)."""
+    unit, a frozen base's included)."""
     return UpdateProblem(
         cpu_seconds=[t.numel / cpu_params_per_s for t in traffic],
         device_seconds=[max(t.h2d_bytes / h2d_bytes_per_s, t.d2h_bytes / d2h_bytes_per_s) for t in traffic],
-        forward_seconds=[(t.stream_bytes or t.grad_bytes) / h2d_bytes_per_s for t in traffic],
+        forward_seconds=[t.stream_bytes / h2d_bytes_per_s for t in traffic],
     )
 
 

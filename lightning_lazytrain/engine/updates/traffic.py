@@ -32,9 +32,9 @@ class UnitTraffic:
     h2d_bytes: int
     d2h_bytes: int
     grad_bytes: int
+    stream_bytes: int  # its whole streamed copy (frozen and 4-bit weights too): what its next forward copies in
     work_bytes: int = 0  # device bytes at the peak of its largest parameter's update (``update_work_bytes``)
     home_bytes: int = 0  # device bytes its masters and states take when they stay there (``staging_bytes``)
-    stream_bytes: int = 0  # its whole streamed copy (frozen and 4-bit weights too): what its next forward copies in
 
 
 def unit_traffic(
@@ -51,5 +51,5 @@ def unit_traffic(
         d2h += (copy or master) if resident else master + states + copy
         numel += e.numel
         work = max(work, update_work_bytes(e.param, optimizer.state.get(e.param, {}), device))
-    return UnitTraffic(numel, h2d, d2h, numel * stream_itemsize, work, staging_bytes(unit, optimizer),
-                       unit.numel * stream_itemsize)
+    return UnitTraffic(numel, h2d, d2h, numel * stream_itemsize, unit.numel * stream_itemsize, work,
+                       staging_bytes(unit, optimizer))
