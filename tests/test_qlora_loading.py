@@ -33,8 +33,8 @@ class _Peak:
         self.peak, self.calls = 0, 0
         real = layerwise._materialise
 
-        def spy(model, modules, shards):
-            real(model, modules, shards)
+        def spy(model, *args):
+            real(model, *args)
             self.calls += 1
             self.peak = max(self.peak, _bytes(model.parameters()))
 
@@ -82,3 +82,13 @@ def test_random_init_is_the_models_own_initialisation(monkeypatch):
     std = float(model.get_input_embeddings().weight.std())
     assert std == pytest.approx(config.initializer_range, rel=0.1)
     assert torch.isfinite(model.base_model.model.model.rotary_emb.inv_freq).all()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
+def test_a_gpu_build_without_cuda_is_refused_before_any_layer_is_built(monkeypatch):
+    peak = _Peak(monkeypatch)
+    with pytest.raises(ValueError, match="CUDA is not available here.*device='cpu'"):
+        layerwise.build_quantized(_config(), "nf4", torch.float32, device="cuda")
+    with pytest.raises(ValueError, match="built on 'cpu' or 'cuda'"):
+        layerwise.build_quantized(_config(), "nf4", torch.float32, device="meta")
+    assert peak.calls == 0

@@ -5,6 +5,12 @@ from the checkpoint's safetensors shards or by the model's own ``_init_weights``
 once (``quantize.py``), so one layer's full-precision weights exist at a time; the embedding, final norm, rotary
 tables and head are materialised the same way and keep the model's dtype. For Qwen2.5-72B that is 1.9 GB of bf16
 at a time instead of 145 GB.
+
+``device="cuda"`` materialises and quantizes each layer on the GPU instead (bitsandbytes' CUDA kernels) and moves
+the packed result to the host, where the model is held either way: for Qwen2.5-72B, random init and NF4
+quantization took 54.6 s a layer on 2 CPU cores (about 70 minutes for the 80 layers), a few seconds on a GPU. The
+GPU holds one full-precision layer at a time. Random init there draws from CUDA's generator, so its weights differ
+from the CPU build's (the same distribution).
 """
 
 from __future__ import annotations
@@ -58,11 +64,12 @@ def _own_modules(root: nn.Module, skip: set[int]) -> Iterator[tuple[str, nn.Modu
                 stack.append((f"{prefix}.{name}" if prefix else name, child))
 
 
-def _materialise(model: PreTrainedModel, modules: list[tuple[str, nn.Module]], shards: ShardReader | None) -> None:
-    """Give ``modules`` (each on its own, not their children) CPU memory and their weights: the checkpoint's
-    tensor of the same name, else the model's own initialisation."""
+def _materialise(model: PreTrainedModel, modules: list[tuple[str, nn.Module]], shards: ShardReader | None,
+                 device: torch.device) -> None:
+    """Give ``modules`` (each on its own, not their children) memory on ``device`` and their weights: the
+    checkpoint's tensor of the same name, else the model's own initialisation."""
     for _, module in modules:
-        module.to_empty(device="cpu", recurse=False)
+        module.to_empty(device=device, recurse=False)
     with torch.no_grad():
         for prefix, module in modules:
             if shards is None:
@@ -77,14 +84,35 @@ def _materialise(model: PreTrainedModel, modules: list[tuple[str, nn.Module]], s
                 model._init_weights(module)  # buffers only (rotary tables): computed, never saved
 
 
+def _to_host(modules: list[tuple[str, nn.Module]]) -> None:
+    """Move ``modules``' own parameters and buffers (not their children's) to the CPU; the 4-bit weights are there
+    already (``quantized_linear``)."""
+    for _, module in modules:
+        module._apply(lambda t: t if t.device.type == "cpu" else t.cpu(), recurse=False)  # as to_empty does
+
+
+def _build_device(device: str | torch.device) -> torch.device:
+    """``device`` for the layer-by-layer build, refused at once where it cannot be used."""
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"build_quantized(device={str(device)!r}): CUDA is not available here; build on the CPU"
+                         " (device='cpu', the default)")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"build_quantized(device={str(device)!r}): layers are built on 'cpu' or 'cuda'")
+    return device
+
+
 def build_quantized(config: PretrainedConfig, quant_type: QuantType, dtype: torch.dtype,
                     weights_dir: str | None = None, trust_remote_code: bool = False,
-                    attn_implementation: str | None = "sdpa") -> PreTrainedModel:
-    """The causal LM of ``config`` with its decoder layers' linear layers 4-bit, built layer by layer.
+                    attn_implementation: str | None = "sdpa", device: str | torch.device = "cpu") -> PreTrainedModel:
+    """The causal LM of ``config`` with its decoder layers' linear layers 4-bit, built layer by layer, on the host.
 
     ``weights_dir``: a directory of safetensors shards (a hub snapshot); None builds random weights. Computes in
-    ``dtype``, the dtype of everything not quantized.
+    ``dtype``, the dtype of everything not quantized. ``device``: where each layer is materialised and quantized
+    before it is moved to the host (``"cuda"``: bitsandbytes' CUDA kernels, one layer's full precision on the GPU
+    at a time).
     """
+    device = _build_device(device)
     attn = {"attn_implementation": attn_implementation} if attn_implementation else {}
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code, **attn)
@@ -93,12 +121,18 @@ def build_quantized(config: PretrainedConfig, quant_type: QuantType, dtype: torc
     named = dict((id(m), n) for n, m in model.named_modules())
     for layer in layers:
         prefix = named[id(layer)]
-        _materialise(model, [(f"{prefix}.{n}" if n else prefix, m) for n, m in layer.named_modules()], shards)
+        modules = [(f"{prefix}.{n}" if n else prefix, m) for n, m in layer.named_modules()]
+        _materialise(model, modules, shards, device)
         quantize_layer(layer, quant_type, compute_dtype=dtype)
+        if device.type != "cpu":
+            _to_host(list(layer.named_modules()))
     rest = list(_own_modules(model, {id(layer) for layer in layers}))
     tied = bool(getattr(config, "tie_word_embeddings", False))
     head = model.get_output_embeddings()
-    _materialise(model, [(n, m) for n, m in rest if not (tied and m is head)], shards)
+    rest = [(n, m) for n, m in rest if not (tied and m is head)]
+    _materialise(model, rest, shards, device)
+    if device.type != "cpu":
+        _to_host(rest)
     if tied:
         head.weight = model.get_input_embeddings().weight
     mark_4bit(model)
