@@ -184,7 +184,7 @@ def check_positions_before_build(model: Any, max_seq_length: int) -> None:
             config = _random_init_config(
                 model_config, trust_remote_code, model.get("revision"), model.get("cache_dir"), True
             )
-    except (OSError, ValueError):
+    except (OSError, ValueError, TypeError, KeyError):
         return
     check_sequence_length(config, max_seq_length, sequence_source(pretrained))
 
