@@ -31,3 +31,13 @@ def _tokenized_cache_in_a_temporary_folder(tmp_path_factory):
     mp.setenv("LAZYTRAIN_CACHE", str(tmp_path_factory.mktemp("lazytrain-cache")))
     yield
     mp.undo()
+
+
+@pytest.fixture(scope="session")
+def bf16_mixed_two_procs(tmp_path_factory):
+    """One 2-process run of ``dist_driver.py`` with `BF16_MIXED_ARGS` and a checkpoint each step, its model built in
+    ``__init__``, made once for the two files that read it: test_distributed, test_distributed_node_load."""
+    from dist_launch import BF16_MIXED_ARGS, launch  # the distributed tests' helper, imported only when used
+
+    out = tmp_path_factory.mktemp("bf16_mixed_two_procs")
+    return launch(out, *BF16_MIXED_ARGS, "--ckpt-dir", str(out / "ckpt"))

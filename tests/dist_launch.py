@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
+# the bf16-mixed run that test_distributed and test_distributed_node_load both read (conftest's bf16_mixed_two_procs)
+BF16_MIXED_ARGS = ("--clip", "0.05", "--steps", "3", "--precision", "bf16-mixed")
 
 
 def env(**extra: str) -> dict[str, str]:

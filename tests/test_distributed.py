@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from dist_driver import HybridModule
-from dist_launch import launch, launch_two_machines
+from dist_launch import BF16_MIXED_ARGS, launch, launch_two_machines
 from helpers import batches, loader, rel_diff, tiny_model, train, update_rel_diff
 from transformers import AutoModelForCausalLM
 
@@ -161,20 +161,20 @@ def test_admission_counts_the_shared_copy_once_and_a_share_of_the_rest(precision
     assert ("master weight shards" in half_host.pieces) == (precision == "bf16-mixed")
 
 
-def test_bf16_mixed_two_processes_within_bf16_noise(start, reference, tmp_path):
+def test_bf16_mixed_two_processes_within_bf16_noise(start, reference, bf16_mixed_two_procs):
     """bf16-mixed: fp32 master shards of their own, the bf16 copy shared and written by the update kernel.
 
     Two processes cannot agree with one to fp32 rounding here (the reduce-scatter sums bf16 gradients), so the
     tolerance is the bf16 noise floor: how far a one-process bf16-mixed run is from the fp32 reference."""
-    run = launch(tmp_path, "--clip", str(CLIP), "--steps", str(STEPS), "--precision", "bf16-mixed",
-                  "--ckpt-dir", str(tmp_path / "ckpt"))
+    run = bf16_mixed_two_procs
+    assert BF16_MIXED_ARGS[:4] == ("--clip", str(CLIP), "--steps", str(STEPS)), "the one-process run's settings"
     one = HybridModule(copy.deepcopy(start))
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="lazytrain", precision="bf16-mixed", max_steps=STEPS,
                          gradient_clip_val=CLIP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)
     trainer.fit(one, loader(_global_batches()))
     # the fp32 masters (the module's parameters are the bf16 copy, whose rounding alone is ~ the noise floor)
-    masters = consolidate(tmp_path / "ckpt" / "epoch=1-step=3.ckpt")
+    masters = consolidate(run / "ckpt" / f"epoch=1-step={STEPS}.ckpt")
     got = copy.deepcopy(start)
     got.load_state_dict(masters)
     streamed = _weights(run, start)

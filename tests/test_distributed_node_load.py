@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from dist_driver import HybridModule
-from dist_launch import launch
+from dist_launch import BF16_MIXED_ARGS, launch
 from helpers import batches, loader, rel_diff, tiny_model, update_rel_diff
 
 from lightning_lazytrain.checkpoint.sharded import consolidate
@@ -81,14 +81,13 @@ def test_buffers_are_local_rank_0s_on_every_rank(start, run):
             assert got[name].device.type == "cpu" and torch.equal(got[name], buf), (rank, name)
 
 
-def test_bf16_mixed_master_shards_come_from_local_rank_0s_fp32_weights(tmp_path):
+def test_bf16_mixed_master_shards_come_from_local_rank_0s_fp32_weights(tmp_path, bf16_mixed_two_procs):
     """bf16-mixed: rank 1's fp32 master shard cannot come from the bf16 shared copy; it must equal the one a rank
-    that built its own fp32 model slices (the masters after 2 steps are bitwise those of the __init__ path)."""
-    args = ["--steps", str(STEPS), "--precision", "bf16-mixed"]
-    runs = [launch(tmp_path / name, *args, "--ckpt-dir", str(tmp_path / name / "ckpt"), *extra)
-            for name, extra in (("init", []), ("configured", ["--configure-model-vocab", "512"]))]
-    assert _info(runs[1], 1)["built_on"] == ["meta"]
-    init, configured = (consolidate(r / "ckpt" / f"epoch=0-step={STEPS}.ckpt") for r in runs)
+    that built its own fp32 model slices (the masters after 3 steps are bitwise those of the __init__ path, the
+    run of ``bf16_mixed_two_procs``)."""
+    run = launch(tmp_path, *BF16_MIXED_ARGS, "--ckpt-dir", str(tmp_path / "ckpt"), "--configure-model-vocab", "512")
+    assert _info(run, 1)["built_on"] == ["meta"]
+    init, configured = (consolidate(r / "ckpt" / "epoch=1-step=3.ckpt") for r in (bf16_mixed_two_procs, run))
     start = tiny_model("qwen2").state_dict()
     assert all(init[k].dtype == torch.float32 for k in init)
     assert any(not torch.equal(init[k], start[k]) for k in init), "the run must have moved the masters"

@@ -42,9 +42,24 @@ def _args(run_dir, crash_at=None, steps=STEPS, weights_only=False):
     return args
 
 
-def _lazytrain(run_dir, crash_at=None, resume=False):
-    args = _args(run_dir, crash_at)
-    return main([*args, "--ckpt_path", "last"] if resume else args)
+def _lazytrain(run_dir, crash_at=None):
+    return main(_args(run_dir, crash_at))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """An unbroken run, and a run that dies after step 3 and is resumed by ``lazytrain fit --ckpt_path last`` run
+    as a process with its progress bar on (the bar changes nothing of what the run trains or saves)."""
+    root = tmp_path_factory.mktemp("resume_cli")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("sys.argv", ["lazytrain"])  # LightningCLI warns when pytest's argv is there too
+        unbroken = _lazytrain(root / "ref")
+        crashed = _lazytrain(root / "run", crash_at=3)
+    saved_step = torch.load(root / "run" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
+    args = _args(root / "run")
+    args[args.index("--trainer.enable_progress_bar") + 1] = "true"
+    resumed = lazytrain([*args, "--ckpt_path", "last"], root)
+    return root, (unbroken, crashed, saved_step), resumed
 
 
 def _losses(metrics_csv):
@@ -52,12 +67,13 @@ def _losses(metrics_csv):
     return {int(r["step"]): float(r["train/loss"]) for r in rows if r.get("train/loss")}
 
 
-def test_cli_resume_from_last_matches_an_unbroken_run(tmp_path):
-    assert _lazytrain(tmp_path / "ref") == 0
-    assert _lazytrain(tmp_path / "run", crash_at=3) == 1  # the run failed: exit status 1
+def test_cli_resume_from_last_matches_an_unbroken_run(runs):
+    tmp_path, (unbroken_status, crashed_status, saved_step), resumed_proc = runs
+    assert unbroken_status == 0
+    assert crashed_status == 1  # the run failed: exit status 1
     crashed = tmp_path / "run" / "checkpoints"
-    assert torch.load(crashed / "last.ckpt", weights_only=True)["global_step"] == 2
-    assert _lazytrain(tmp_path / "run", resume=True) == 0
+    assert saved_step == 2
+    assert resumed_proc.returncode == 0, resumed_proc.stderr[-3000:]
 
     names = sorted(n for n in os.listdir(crashed) if n.endswith(".ckpt"))
     assert names == ["epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"]  # 2 kept; last links to the newest
@@ -92,13 +108,10 @@ def test_fit_from_a_weights_only_checkpoint_is_refused_with_exit_2(tmp_path):
     assert not (tmp_path / "checkpoints" / "epoch=0-step=4.ckpt").exists(), "refused before any training step"
 
 
-def test_the_resumed_runs_progress_bar_counts_to_its_total(tmp_path):
+def test_the_resumed_runs_progress_bar_counts_to_its_total(runs):
     """The resumed process starts at batch 3 of an 11-batch epoch and stops after step 6: the bar ends at 6/6
     (Lightning's own total was the 3 steps left from the resumed batch: 6/3)."""
-    assert _lazytrain(tmp_path, crash_at=3) == 1
-    args = _args(tmp_path)
-    args[args.index("--trainer.enable_progress_bar") + 1] = "true"
-    proc = lazytrain([*args, "--ckpt_path", "last"], tmp_path)
+    proc = runs[2]
     assert proc.returncode == 0, proc.stderr[-3000:]
     counts = re.findall(r"Epoch 0/0 .*? (\d+)/(\d+) ", proc.stdout)
     assert counts and counts[-1] == ("6", "6"), proc.stdout[-2000:]

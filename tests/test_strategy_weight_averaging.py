@@ -2,6 +2,7 @@
 run. The callback reads and writes the parameters in place (``.data.copy_``), which the engine cannot see."""
 
 import copy
+import functools
 import time
 
 import lightning.pytorch as pl
@@ -50,34 +51,76 @@ class EpochEMA(WeightAveraging):
         return epoch_idx is not None
 
 
+# (the module the strategy trains, the module of its plain reference, the strategy's arguments): the delay of
+# SlowHybridAdamW is there for the engine's queued updates only; a plain run of it updates as HybridModule does
 CASES = {
-    "torch-adamw": (LMModule, dict),
-    "engine-update-overlapped": (SlowHybridModule, dict),
-    "device-share-resident": (HybridModule, lambda: dict(device_update_share=0.5, device_update_states="resident")),
+    "torch-adamw": (LMModule, LMModule, dict),
+    "engine-update-overlapped": (SlowHybridModule, HybridModule, dict),
+    "device-share-resident": (
+        HybridModule,
+        HybridModule,
+        lambda: dict(device_update_share=0.5, device_update_states="resident"),
+    ),
 }
 
 
 def _fit(module, strategy, averaging=EvenStepEMA, validate=True):
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision="32-true", max_steps=4,
-                         logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         enable_checkpointing=False, callbacks=[averaging()])
-    trainer.fit(module, train_dataloaders=loader(batches(2)),
-                val_dataloaders=loader(batches(1, seed=7)) if validate else None)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        precision="32-true",
+        max_steps=4,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        callbacks=[averaging()],
+    )
+    trainer.fit(
+        module, train_dataloaders=loader(batches(2)), val_dataloaders=loader(batches(1, seed=7)) if validate else None
+    )
     return trainer
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("qwen2")
+
+
+@pytest.fixture(scope="module")
+def plain(model):
+    """The plain runs (Lightning's own strategy), each made once for the module's tests, which only read them:
+    ``plain(module_cls, averaging, validate)``; ``averaging=None``: no averaging callback, the training weights."""
+
+    @functools.cache
+    def run(module_cls, averaging, validate=True):
+        module = module_cls(copy.deepcopy(model))
+        if averaging is None:
+            pl.Trainer(
+                accelerator="cpu",
+                max_steps=4,
+                logger=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                enable_checkpointing=False,
+            ).fit(module, loader(batches(2)))
+        else:
+            _fit(module, "auto", averaging, validate)
+        return module
+
+    return run
 
 
 @pytest.mark.parametrize("averaging", [EvenStepEMA, EpochEMA])
 @pytest.mark.parametrize("case", list(CASES))
-def test_ema_validation_and_final_weights_match_plain(case, averaging):
+def test_ema_validation_and_final_weights_match_plain(model, plain, case, averaging):
     """Validation (at the end of each 2-batch epoch) runs the average, training goes on from the training weights,
     and training ends with the average in the module, as in a plain run."""
-    module_cls, strategy_args = CASES[case]
-    model = tiny_model("qwen2")
-    ref = module_cls(copy.deepcopy(model))
-    _fit(ref, "auto", averaging)
-    plain_weights = module_cls(copy.deepcopy(model))
-    pl.Trainer(accelerator="cpu", max_steps=4, logger=False, enable_progress_bar=False, enable_model_summary=False,
-               enable_checkpointing=False).fit(plain_weights, loader(batches(2)))
+    module_cls, ref_cls, strategy_args = CASES[case]
+    ref = plain(ref_cls, averaging)
+    plain_weights = plain(ref_cls, None)
     lt = module_cls(copy.deepcopy(model))
     trainer = _fit(lt, LazyTrainStrategy(**strategy_args()), averaging)
     assert isinstance(trainer.callbacks[0], WeightAveragingSync)
@@ -88,19 +131,23 @@ def test_ema_validation_and_final_weights_match_plain(case, averaging):
 
 
 @pytest.mark.parametrize("averaging", [EvenStepEMA, EpochEMA])
-def test_the_updates_still_queued_land_before_the_average_reads_them(averaging):
+def test_the_updates_still_queued_land_before_the_average_reads_them(model, plain, averaging):
     """Without validation nothing else waits for the queued updates: the average read at an epoch's end, and the
     masters it is copied over when training ends, must still hold every step's update."""
-    model = tiny_model("qwen2")
-    ref, lt = SlowHybridModule(copy.deepcopy(model)), SlowHybridModule(copy.deepcopy(model))
-    _fit(ref, "auto", averaging, validate=False)
+    ref, lt = plain(HybridModule, averaging, validate=False), SlowHybridModule(copy.deepcopy(model))
     _fit(lt, LazyTrainStrategy(), averaging, validate=False)
     assert rel_diff(lt.model, ref.model) <= 1e-5
 
 
 def test_no_sync_without_an_averaging_callback():
-    trainer = pl.Trainer(accelerator="cpu", strategy=LazyTrainStrategy(), max_steps=1, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        strategy=LazyTrainStrategy(),
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(LMModule(tiny_model("qwen2")), loader(batches(1)))
     assert not any(isinstance(cb, WeightAveragingSync) for cb in trainer.callbacks)
-

@@ -43,6 +43,7 @@ from lightning_lazytrain.engine.device import prefer_expandable_segments
 from lightning_lazytrain.sft.data.errors import DataError, DataSettingError
 from lightning_lazytrain.sft.data.settings import check_settings
 from lightning_lazytrain.sft.data.sft import SFTDataModule
+from lightning_lazytrain.sft.model_loading import check_positions_before_build
 from lightning_lazytrain.sft.module import CausalLMModule
 from lightning_lazytrain.sft.progress import MaxStepsProgressBar
 from lightning_lazytrain.sft.recipes import missing_recipe_hint, recipe_path, resolve_config_args
@@ -111,6 +112,9 @@ class LazyTrainCLI(LightningCLI):
             check_settings(cfg.get("data") or {}, check_path=True)
         except DataSettingError as exc:  # name the key as the config spells it
             raise DataSettingError(f"data.{exc.field}", exc.problem, exc.fix) from None
+        seq = (cfg.get("data") or {}).get("max_seq_length")
+        if isinstance(seq, int):
+            check_positions_before_build(cfg.get("model") or {}, seq)
         _check_logger_installed((cfg.get("trainer") or {}).get("logger"))
         try:
             export_dtype(cfg.get("export_dtype"))

@@ -162,6 +162,33 @@ def check_sequence_length(config: PretrainedConfig, max_seq_length: int, source:
         )
 
 
+def sequence_source(pretrained: str | None) -> str:
+    """How `check_sequence_length`'s message names the model of a module's or a config's model section."""
+    return f"model.pretrained {pretrained}" if pretrained else "model.model_config"
+
+
+def check_positions_before_build(model: Any, max_seq_length: int) -> None:
+    """`check_sequence_length` on the config of a model section (``model.*`` of a run's config) alone, read from
+    the local directory or the hub cache (no weights, no network), so that a run is refused before its data is
+    tokenized and its model loaded. A config not read here (not cached, or an invalid section) is left to the
+    model's build, which reports it and checks the positions itself."""
+    pretrained, model_config = model.get("pretrained"), model.get("model_config")
+    if (pretrained is None) == (model_config is None):
+        return
+    trust_remote_code = bool(model.get("trust_remote_code"))
+    try:
+        if pretrained is not None:
+            path, hub = _source(pretrained, model.get("revision"), model.get("cache_dir"), True)
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **hub)
+        else:
+            config = _random_init_config(
+                model_config, trust_remote_code, model.get("revision"), model.get("cache_dir"), True
+            )
+    except (OSError, ValueError, TypeError, KeyError):
+        return
+    check_sequence_length(config, max_seq_length, sequence_source(pretrained))
+
+
 def check_source(pretrained: str | None, model_config: dict[str, Any] | str | None) -> None:
     """Refuse a module without exactly one model source when it is made, not only when the model is built."""
     if (pretrained is None) == (model_config is None):

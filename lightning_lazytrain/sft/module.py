@@ -31,6 +31,7 @@ from lightning_lazytrain.sft.model_loading import (
     build_quantized_model,
     check_sequence_length,
     check_source,
+    sequence_source,
 )
 
 __all__ = ["NAMED_SHAPES", "CausalLMModule", "build_model", "warmup_cosine"]
@@ -155,8 +156,7 @@ class CausalLMModule(pl.LightningModule):
         if self._trainer is not None:  # the tokenizer is the datamodule's only once a Trainer runs the module
             seq = getattr(getattr(self._trainer.datamodule, "hparams", None), "max_seq_length", None)
             if isinstance(seq, int):
-                source = f"model.pretrained {hp.pretrained}" if hp.pretrained else "model.model_config"
-                check_sequence_length(self.model.config, seq, source)
+                check_sequence_length(self.model.config, seq, sequence_source(hp.pretrained))
             vocab = self.model.get_input_embeddings().num_embeddings
             if len(self.tokenizer) > vocab:
                 raise ValueError(f"tokenizer has {len(self.tokenizer)} tokens but the model's embedding only {vocab};"
