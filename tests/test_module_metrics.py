@@ -93,3 +93,22 @@ def test_throughput_and_mfu_go_to_the_progress_bar():
     shown = set().union(*(keys for keys, bar in logged if bar))
     assert shown == {"perf/tokens_per_s", "perf/model_tflops", "perf/mfu"}
     assert "perf/step_s" in set().union(*(keys for keys, bar in logged if not bar))
+
+
+def test_a_lora_model_counts_its_frozen_base_4_flops_a_parameter_and_4bit_weights_by_their_elements():
+    peft = pytest.importorskip("peft")
+    model = build_model(model_config=TINY)
+    full = sum(p.numel() for p in model.parameters())
+    model = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    layer = model.base_model.model.model.layers[0].mlp
+    from lightning_lazytrain.models.quantize import quantized_linear
+
+    layer.up_proj = quantized_linear(layer.up_proj, "nf4", torch.float32)  # packed: 2 elements a byte
+    assert sum(p.numel() for p in model.parameters()) < full + adapters
+    cb, trainer = ThroughputMetrics(), SimpleNamespace(strategy=SimpleNamespace())
+    cb.on_fit_start(trainer, SimpleNamespace(model=model, device=torch.device("cpu")))
+    m = cb.step_metrics(trainer, None,
+                        {"input_ids": torch.zeros(2, 8, dtype=torch.long)}, step_s=1.0)
+    expected = (4 * full + 6 * adapters + 12 * 3 * 16 * 8) * 2 * 8 / 1e12
+    assert m["perf/model_tflops"] == pytest.approx(expected)

@@ -7,7 +7,9 @@ Conventions (so numbers compare with REFERENCE.md and the papers):
 * ``perf/model_tflops``: ``(6 * N + 12 * layers * hidden * seq) * batch * seq / step_time / 1e12`` with ``N`` all
   model parameters (embeddings included) and ``batch * seq`` the padded tokens the model computes on. ``6N`` counts
   forward (2N) and backward (4N) matmuls; the second term is causal-free attention scores + values for fwd+bwd.
-  This is the "model FLOPs" convention: recomputation is not counted.
+  This is the "model FLOPs" convention: recomputation is not counted. A frozen parameter (a LoRA base) counts 4
+  instead of 6, since its backward computes no weight gradient (``schedule.analytic.model_flops_per_step``, the
+  plan's and the benchmarks' count); a 4-bit base counts its weights' logical elements, not the packed bytes.
 * ``perf/executed_tflops``: model TFLOPS times the strategy's ``executed_flops_factor`` (e.g. > 1 when it re-runs
   forwards for recomputation); equal to model TFLOPS when the strategy does not expose one.
 * ``perf/mfu``: model TFLOPS / the GPU's dense bf16 peak (`lightning_lazytrain.schedule.gpus`, found by the CUDA
@@ -21,6 +23,7 @@ Conventions (so numbers compare with REFERENCE.md and the papers):
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from typing import Any
@@ -28,6 +31,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from lightning_lazytrain.schedule.analytic import model_flops_per_step
 from lightning_lazytrain.schedule.gpus import spec_for_device
 
 log = logging.getLogger(__name__)
@@ -52,9 +56,18 @@ def host_rss_bytes() -> int:
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def model_flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int) -> float:
-    """Training FLOPs per token: ``6N + 12 * layers * hidden * seq`` (the convention of REFERENCE.md)."""
-    return 6.0 * num_params + 12.0 * num_layers * hidden * seq_len
+def model_flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int,
+                          frozen_params: int = 0) -> float:
+    """Training FLOPs per token: ``6N + 12 * layers * hidden * seq`` (the convention of REFERENCE.md), with the
+    ``frozen_params`` among the ``N`` counted 4 (no weight gradient)."""
+    return model_flops_per_step(num_params, num_layers, hidden, 1, seq_len, frozen_params) / seq_len
+
+
+def _logical_numel(param: torch.Tensor) -> int:
+    """Elements of the weight ``param`` stands for: a bitsandbytes 4-bit parameter holds two per byte, its quant
+    state the shape."""
+    state = getattr(param, "quant_state", None)
+    return math.prod(state.shape) if state is not None else param.numel()
 
 
 def model_flops_utilization(model_tflops: float, peak_tflops: float) -> float:
@@ -96,7 +109,8 @@ class ThroughputMetrics(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         model = _find_hf_model(pl_module)
         # count once: parameters do not change during fit (and a streaming strategy may hide them later)
-        self._num_params = sum(p.numel() for p in model.parameters())
+        self._num_params = sum(_logical_numel(p) for p in model.parameters())
+        self._frozen_params = sum(_logical_numel(p) for p in model.parameters() if not p.requires_grad)
         cfg = getattr(model, "config", None)
         text = getattr(cfg, "text_config", None) or cfg
         self._layers = int(getattr(text, "num_hidden_layers", 0) or 0)
@@ -134,7 +148,8 @@ class ThroughputMetrics(pl.Callback):
         b, seq = int(ids.shape[0]), int(ids.shape[-1])
         mask = batch.get("attention_mask") if isinstance(batch, dict) else None
         real_tokens = int(mask.sum()) if mask is not None else b * seq
-        flops = model_flops_per_token(self._num_params, self._layers, self._hidden, seq) * b * seq
+        per_token = model_flops_per_token(self._num_params, self._layers, self._hidden, seq, self._frozen_params)
+        flops = per_token * b * seq
         model_tflops = flops / step_s / 1e12
         factor = getattr(trainer.strategy, "executed_flops_factor", None)
         factor = factor() if callable(factor) else factor
