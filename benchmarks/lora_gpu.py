@@ -67,34 +67,12 @@ OOM = ("OutOfMemory", "out of memory")
 
 def predicted(model: str, batch: int) -> dict:
     """``lazytrain plan`` for the recipe at ``batch`` on an H200 with this host's available RAM (analytic)."""
-    import psutil
+    from common import plan_asked
     from lora_systems import MODELS
 
-    recipe, shape = MODELS[model]
-    cmd = [
-        sys.executable,
-        "-m",
-        "lightning_lazytrain.sft.cli",
-        "plan",
-        "--config",
-        recipe,
-        "--model.model_config",
-        shape,
-        "--gpu",
-        "h200",
-        "--data.batch_size",
-        str(batch),
-        "--host_ram_gib",
-        f"{psutil.virtual_memory().available / GIB:.1f}",
-        "--max_batch",
-        "false",
-        "--json",
-        "true",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
-    if proc.returncode != 0:
-        return {"error": proc.stderr[-400:]}
-    asked = json.loads(proc.stdout)["asked"]
+    asked = plan_asked(*MODELS[model], batch)
+    if "error" in asked:
+        return asked
     return {
         "batch": batch,
         "fits": asked["fits"],

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -24,7 +22,15 @@ import time
 import lightning.pytorch as pl
 import psutil
 import torch
-from common import BenchModule, RandomTokens, StepTimer, default_out, model_flops_per_token, write_results
+from common import (
+    BenchModule,
+    RandomTokens,
+    StepTimer,
+    default_out,
+    model_flops_per_token,
+    plan_asked,
+    write_results,
+)
 from transformers import AutoModelForCausalLM
 
 import lightning_lazytrain  # noqa: F401
@@ -37,30 +43,9 @@ SHAPE, SEQ, GIB = "qwen3.6-27b", 1024, 2**30
 
 def predicted(batch: int) -> dict:
     """``lazytrain plan`` for ``batch`` on an H200 with this host's available RAM (analytic times, no search)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "lightning_lazytrain.sft.cli",
-        "plan",
-        "--config",
-        SHAPE,
-        "--model.model_config",
-        SHAPE,
-        "--gpu",
-        "h200",
-        "--data.batch_size",
-        str(batch),
-        "--host_ram_gib",
-        f"{psutil.virtual_memory().available / GIB:.1f}",
-        "--max_batch",
-        "false",
-        "--json",
-        "true",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    if proc.returncode != 0:
-        return {"error": proc.stderr[-400:]}
-    asked = json.loads(proc.stdout)["asked"]
+    asked = plan_asked(SHAPE, SHAPE, batch, timeout_s=120)
+    if "error" in asked:
+        return asked
     return {
         "fits": asked["fits"],
         "step_s": (asked["prediction"] or {}).get("step_s"),
