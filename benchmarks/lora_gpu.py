@@ -67,8 +67,8 @@ OOM = ("OutOfMemory", "out of memory")
 
 def predicted(model: str, batch: int) -> dict:
     """``lazytrain plan`` for the recipe at ``batch`` on an H200 with this host's available RAM (analytic)."""
-    from common import plan_asked
     from lora_systems import MODELS
+    from plan_query import plan_asked
 
     asked = plan_asked(*MODELS[model], batch)
     if "error" in asked:

@@ -28,9 +28,9 @@ from common import (
     StepTimer,
     default_out,
     model_flops_per_token,
-    plan_asked,
     write_results,
 )
+from plan_query import plan_asked
 from transformers import AutoModelForCausalLM
 
 import lightning_lazytrain  # noqa: F401
