@@ -318,4 +318,3 @@ def print_table(rows: list[dict], columns: list[tuple[str, str, str]], width: in
             print(f"{r['variant']:{width}} " + " ".join(f"{r[key]:>9{spec}}" for key, _, spec in columns))
         else:
             print(f"{r['variant']:{width}} {r.get('status')}")
-
