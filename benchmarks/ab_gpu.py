@@ -25,6 +25,8 @@ import sys
 import tempfile
 import time
 
+from child_process import write_json
+
 CASES = {"7b-b64-80g": ("qwen2.5-7b", 64, 80.0, 150), "3b-b8": ("qwen2.5-3b", 8, 80.0, 90)}
 
 
@@ -35,9 +37,7 @@ def child(spec: dict, out: str) -> None:
 
     row = one_run(spec["system"], spec["shape"], spec["batch"], spec["cap"], spec["steps"], spec["warmup"], {})
     row["library"] = os.path.dirname(os.path.abspath(lightning_lazytrain.__file__))
-    with open(out + ".tmp", "w") as f:
-        json.dump(row, f, default=str)
-    os.replace(out + ".tmp", out)
+    write_json(out, row)
 
 
 def parse_side(text: str) -> tuple[str, str, str]:

@@ -10,6 +10,7 @@ import time
 import lightning.pytorch as pl
 import torch
 from common import GPU
+from lora_systems import TINY_SIZES
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -35,14 +36,7 @@ class _Module(pl.LightningModule):
 
 def tiny_peft(quantize: str | None):
     torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    config = Qwen2Config(**TINY_SIZES)
     base = AutoModelForCausalLM.from_config(config)
     if quantize:
         quantize_layers(base.model.layers, quantize)

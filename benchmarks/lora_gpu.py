@@ -22,15 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 
+from child_process import run_child, write_json
 from lora_report import CHECK, print_table, targets
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 SEQ, TINY_SEQ, GIB = 1024, 128, 2**30
 
 
@@ -177,31 +175,15 @@ def child(spec: dict, out: str) -> None:
 
         heartbeat()
         result = fit_row(spec)
-    tmp = out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, default=str)
-    os.replace(tmp, out)
+    write_json(out, result)
 
 
-def run_child(spec: dict, timeout_s: float) -> dict:
+def run_row(spec: dict, timeout_s: float) -> dict:
     failed = {"row": spec["name"], "system": spec.get("system"), "model": spec.get("model")}
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "row.json")
-        from common import allocator_env
+    from common import allocator_env
 
-        path = os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        env = {**os.environ, **allocator_env(spec.get("system") or ""), "PYTHONPATH": path}
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec), "--child-out", out]
-        start = time.perf_counter()
-        try:
-            rc = subprocess.run(cmd, env=env, timeout=timeout_s, cwd=os.getcwd()).returncode
-        except subprocess.TimeoutExpired:
-            return {**failed, "status": f"timeout {timeout_s:.0f}s", "wall_s": time.perf_counter() - start}
-        wall = time.perf_counter() - start  # the whole child: imports, build, setup and every step
-        if not os.path.exists(out):
-            return {**failed, "status": f"child exited {rc}", "wall_s": wall}
-        with open(out) as f:
-            return {**failed, **json.load(f), "wall_s": wall}
+    result, failure, wall = run_child(__file__, spec, allocator_env(spec.get("system") or ""), timeout_s)
+    return {**failed, **(result or {"status": failure}), "wall_s": wall}
 
 
 def main() -> None:
@@ -244,7 +226,7 @@ def main() -> None:
             },
         )
 
-    rows[CHECK] = {"row": CHECK, **run_child({"name": CHECK}, 120)}
+    rows[CHECK] = {"row": CHECK, **run_row({"name": CHECK}, 120)}
     print(json.dumps(rows[CHECK], default=str), flush=True)
     save()
     for row in picked:
@@ -259,7 +241,7 @@ def main() -> None:
         else:
             plan = predicted(row.model, spec["batches"][0]) if row.system == "lazytrain" and not args.no_plan else None
             left = args.budget_s - (time.perf_counter() - start)
-            result = {**run_child(spec, min(row.timeout_s, left)), "plan": plan}
+            result = {**run_row(spec, min(row.timeout_s, left)), "plan": plan}
         rows[row.name] = {"groups": list(row.groups), **result}
         print(
             json.dumps({k: v for k, v in result.items() if k not in ("engine", "step_s_each")}, default=str), flush=True

@@ -35,7 +35,7 @@ MODELS = {
     "lora-27b": ("qwen3.6-27b-lora", "qwen3.6-27b"),
     "qlora-72b": ("qwen2.5-72b-qlora", "qwen2.5-72b"),
 }
-_TINY = dict(
+TINY_SIZES = dict(
     vocab_size=512,
     hidden_size=64,
     intermediate_size=128,
@@ -51,9 +51,9 @@ TINY = {
         linear_value_head_dim=16,
         linear_num_key_heads=2,
         linear_num_value_heads=4,
-        **_TINY,
+        **TINY_SIZES,
     ),
-    "qlora-72b": dict(model_type="qwen2", **_TINY),
+    "qlora-72b": dict(model_type="qwen2", **TINY_SIZES),
 }
 DTYPE = torch.bfloat16  # both recipes' model.dtype
 

@@ -16,15 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 
+from child_process import run_child, write_json
 from suite_targets import targets
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @dataclass
@@ -119,10 +115,7 @@ def child(spec: dict, out: str) -> None:
             "engine": engine,
         }
     )
-    tmp = out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, default=str)
-    os.replace(tmp, out)
+    write_json(out, result)
 
 
 def run_row(row: Row, tiny: bool, gpu_share: float | None = None) -> dict:
@@ -134,25 +127,13 @@ def run_row(row: Row, tiny: bool, gpu_share: float | None = None) -> dict:
     failed = {"row": row.name, "group": row.group, "system": row.system, "gpu_share_asked": gpu_share}
     if "-ratio" in row.system and gpu_share is None:
         return {**failed, "status": f"not run: no GPU share of the update (--gpu-share, or an ok {row.share_from})"}
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "row.json")
-        from common import allocator_env
+    from common import allocator_env
 
-        spec["env"] = {**allocator_env(row.system), **row.env}
-        # the child imports this checkout, installed or not
-        path = os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        env = {**os.environ, **spec["env"], "PYTHONPATH": path}
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec), "--child-out", out]
-        start = time.perf_counter()
-        try:
-            rc = subprocess.run(cmd, env=env, timeout=row.timeout_s, cwd=os.getcwd()).returncode
-        except subprocess.TimeoutExpired:
-            return {**failed, "status": f"timeout {row.timeout_s}s", "wall_s": time.perf_counter() - start}
-        wall = time.perf_counter() - start  # the whole child: imports, model build, setup and every step
-        if not os.path.exists(out):
-            return {**failed, "status": f"child exited {rc}", "wall_s": wall}
-        with open(out) as f:
-            return {**json.load(f), "gpu_share_asked": gpu_share, "wall_s": wall}
+    spec["env"] = {**allocator_env(row.system), **row.env}
+    result, failure, wall = run_child(__file__, spec, spec["env"], row.timeout_s)
+    if result is None:
+        return {**failed, "status": failure, "wall_s": wall}
+    return {**result, "gpu_share_asked": gpu_share, "wall_s": wall}
 
 
 def share_for(row: Row, rows: dict, asked: float | None) -> float | None:
