@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from lightning_lazytrain.sft.cli import DEMO_RECIPE
@@ -54,3 +55,11 @@ def test_an_unknown_quantize_is_refused_before_loading(tmp_path):
     proc = lazytrain(["fit", "--config", str(DEMO_RECIPE), *FEW_STEPS, "--model.lora.quantize", "int3"], tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "nf4" in proc.stderr + proc.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is of a machine without CUDA")
+def test_a_cuda_build_without_cuda_is_refused_before_loading(tmp_path):
+    proc = lazytrain(["fit", "--config", str(DEMO_RECIPE), *FEW_STEPS, "--model.lora.quantize", "nf4",
+                      "--model.lora.build_device", "cuda"], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "lora.build_device is cuda but CUDA is not available" in proc.stderr

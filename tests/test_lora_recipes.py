@@ -19,7 +19,7 @@ def test_lora_recipe_configures_adapters_over_a_bf16_base(capsys):
     assert exit_info.value.code in (0, None)
     cfg = yaml.safe_load(capsys.readouterr().out)
     assert cfg["model"]["lora"] == {"r": 64, "alpha": 32, "dropout": 0.05, "target_modules": ALL_LINEAR,
-                                    "quantize": "none"}
+                                    "quantize": "none", "build_device": "auto"}
     assert cfg["model"]["pretrained"] == "Qwen/Qwen3.6-27B" and cfg["trainer"]["precision"] == "bf16-mixed"
     (export,) = [c for c in cfg["trainer"]["callbacks"] if c["class_path"].endswith("HFExportCallback")]
     assert export["init_args"]["merged_dirpath"] == "runs/qwen3.6-27b-lora/merged"
@@ -42,7 +42,7 @@ def test_qlora_72b_recipe_configures_an_nf4_base_and_exports_only_the_adapters(c
     assert exit_info.value.code in (0, None)
     cfg = yaml.safe_load(capsys.readouterr().out)
     assert cfg["model"]["lora"] == {"r": 16, "alpha": 32, "dropout": 0.05, "target_modules": ALL_LINEAR,
-                                    "quantize": "nf4"}
+                                    "quantize": "nf4", "build_device": "auto"}
     assert cfg["model"]["pretrained"] == "Qwen/Qwen2.5-72B" and cfg["model"]["dtype"] == "bfloat16"
     assert cfg["trainer"]["precision"] == "bf16-mixed"
     (export,) = [c for c in cfg["trainer"]["callbacks"] if c["class_path"].endswith("HFExportCallback")]

@@ -218,11 +218,13 @@ def build_quantized_model(
     revision: str | None = None,
     cache_dir: str | None = None,
     local_files_only: bool = False,
+    device: str | torch.device = "cpu",
 ) -> PreTrainedModel:
     """:func:`build_model`'s model with its decoder layers' linear layers 4-bit (QLoRA), built layer by layer from
     the safetensors shards (a local directory, or the hub snapshot of ``pretrained``) or random init
     (``models/layerwise.py``): the whole full-precision base is never held. Computes in ``dtype`` (``auto``/None:
-    the checkpoint's, else float32)."""
+    the checkpoint's, else float32). ``device``: where each layer is materialised (shards read on the CPU, copied
+    there) and quantized; the model is held on the host either way."""
     check_source(pretrained, model_config)
     if pretrained is not None:
         path, hub = _source(pretrained, revision, cache_dir, local_files_only)
@@ -240,7 +242,7 @@ def build_quantized_model(
         target = _torch_dtype(saved) if isinstance(saved, str) else saved
     if not isinstance(target, torch.dtype):
         target = torch.float32
-    return build_quantized(config, quantize, target, weights, trust_remote_code, attn_implementation)
+    return build_quantized(config, quantize, target, weights, trust_remote_code, attn_implementation, device=device)
 
 
 def _snapshot(name: str, hub: dict[str, Any]) -> str:

@@ -23,7 +23,7 @@ from lightning_lazytrain.sft.data.collate import model_inputs
 from lightning_lazytrain.sft.data.examples import IGNORE_INDEX
 from lightning_lazytrain.sft.data.tokenizer import end_of_turn_id, load_tokenizer
 from lightning_lazytrain.sft.eval_prompts import EvalPrompts, new_token_count
-from lightning_lazytrain.sft.lora import LoraOptions, add_adapters, check_lora
+from lightning_lazytrain.sft.lora import LoraOptions, add_adapters, check_lora, layer_build_device
 from lightning_lazytrain.sft.model_loading import (
     NAMED_SHAPES,
     DTypeName,
@@ -72,7 +72,7 @@ class CausalLMModule(pl.LightningModule):
             and decoded together at its end, ``generate_batch_size`` at a time (``None``: all in one call, which
             lazytrain splits by device memory; set it under strategies that do not).
         lora: LoRA adapters over the frozen model (``sft/lora.py``; ``--model.lora.r 16``); ``None`` trains all
-            of it.
+            of it. A 4-bit base (``lora.quantize``) is built on ``lora.build_device`` (``auto``: the run's GPU).
     """
 
     def __init__(
@@ -149,7 +149,9 @@ class CausalLMModule(pl.LightningModule):
             source = (hp.pretrained, hp.model_config, hp.dtype, hp.trust_remote_code, hp.attn_implementation,
                       hp.revision, hp.cache_dir, hp.local_files_only)
             if self._lora is not None and self._lora.quantize != "none":  # QLoRA: layer by layer, never whole
-                model = build_quantized_model(self._lora.quantize, *source)
+                run_device = self._trainer.strategy.root_device if self._trainer is not None else None
+                device = layer_build_device(self._lora, run_device)
+                model = build_quantized_model(self._lora.quantize, *source, device=device)
             else:
                 model = build_model(*source)
             self.model = add_adapters(model, self._lora) if self._lora is not None else model
