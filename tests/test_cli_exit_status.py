@@ -1,5 +1,6 @@
-"""The installed ``lazytrain`` console script, run as a process: exit 0 after a run, 2 for a config error, 1 when
-the run fails (after the traceback, a one-line summary)."""
+"""The installed ``lazytrain`` console script, run as a process: exit 0 after a run, 2 for a refused data file, 1
+when the run fails (after the traceback, a one-line summary); the config errors (2) through its entry point in this
+process."""
 
 import csv
 import os
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cli_in_process import lazytrain_in_process
 
 from lightning_lazytrain.sft.cli import DEMO_RECIPE
 
@@ -52,7 +54,7 @@ def test_a_finished_run_exits_0_and_exports(tmp_path):
     (["--trainer.max_stepz", "2"], ["max_stepz"]),
 ])
 def test_a_config_error_exits_2_without_a_traceback(tmp_path, args, words):
-    proc = lazytrain(["fit", "--config", str(DEMO_RECIPE), *args], tmp_path)
+    proc = lazytrain_in_process(["fit", "--config", str(DEMO_RECIPE), *args], tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and all(w in proc.stderr for w in words), proc.stderr[-3000:]
 

@@ -1,4 +1,5 @@
-"""``lazytrain plan``: the installed console script, run as a process, offline (the model comes from its shape)."""
+"""``lazytrain plan``, offline (the model comes from its shape): the installed console script run as a process for
+an answer (exit 0) and a usage error (exit 2), the other plans through its entry point in this process."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_in_process import lazytrain_in_process
 
 from lightning_lazytrain.sft.plan_model import model_config
 
@@ -18,12 +20,20 @@ RECIPE_7B = "qwen2.5-7b"  # a shipped recipe, by name
 LAZYTRAIN = Path(sys.executable).with_name("lazytrain")
 
 
+def offline(cwd: Path) -> dict[str, str]:
+    return {"HF_HUB_OFFLINE": "1", "HF_HOME": str(cwd / "hf")}  # an empty hub cache, no network
+
+
 def plan(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     assert LAZYTRAIN.is_file(), f"{LAZYTRAIN} missing: install the package (pip install -e .) before testing"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(cwd / "hf")}  # an empty hub cache, no network
+    env = {**os.environ, **offline(cwd)}
     return subprocess.run(
         [str(LAZYTRAIN), "plan", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300
     )
+
+
+def plan_in_process(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return lazytrain_in_process(["plan", *args], cwd, env=offline(cwd))
 
 
 def test_plan_of_the_7b_recipe_on_an_h200(tmp_path):
@@ -55,14 +65,15 @@ def test_an_unknown_gpu_is_a_usage_error(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU here, the plan is for it (see the gpu test)")
 def test_a_gpu_recipe_with_no_gpu_here_and_none_named_is_a_usage_error(tmp_path):
-    proc = plan(["--config", str(RECIPE_7B)], tmp_path)  # its trainer.accelerator is gpu (a CPU run: test_cli_plan_cpu)
+    # its trainer.accelerator is gpu (a CPU run: test_cli_plan_cpu)
+    proc = plan_in_process(["--config", str(RECIPE_7B)], tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert "no CUDA device here: name the GPU to plan for with --gpu (h200, h100" in proc.stderr
     assert "or plan the CPU with --trainer.accelerator cpu" in proc.stderr
 
 
 def test_json_answer_follows_the_overrides(tmp_path):
-    proc = plan(
+    proc = plan_in_process(
         [
             "--config",
             str(RECIPE_7B),
@@ -155,10 +166,12 @@ def test_a_batch_whose_layers_fit_only_in_slices_is_planned_in_slices(tmp_path):
     not fit (the note names layer_micro_batches); by default the plan takes row slices and fits."""
     common = ["--config", str(RECIPE_7B), "--gpu", "h100", "--gpu_memory_gib", "24", "--data.batch_size", "96",
               "--host_ram_gib", "200"]
-    whole = plan([*common, "--max_batch", "false", "--trainer.strategy.init_args.layer_micro_batches", "1"], tmp_path)
+    whole = plan_in_process(
+        [*common, "--max_batch", "false", "--trainer.strategy.init_args.layer_micro_batches", "1"], tmp_path
+    )
     assert whole.returncode == 0, whole.stderr[-3000:]
     assert "no plan fits" in whole.stdout and "run each layer in more row slices (layer_micro_batches)" in whole.stdout
-    auto = plan(common, tmp_path)
+    auto = plan_in_process(common, tmp_path)
     assert auto.returncode == 0, auto.stderr[-3000:]
     sliced = re.search(r"graphs kept \d+; each layer in (\d+) row slices \((\d+) rows at most\)", auto.stdout)
     assert sliced and int(sliced.group(1)) > 1 and int(sliced.group(2)) == -(-96 // int(sliced.group(1))), auto.stdout

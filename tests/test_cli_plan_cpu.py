@@ -6,13 +6,15 @@ import re
 
 import pytest
 import torch
-from test_cli_plan import plan
+from test_cli_plan import plan_in_process
 
 DEMO_PARAMS = 9_830_272  # the demo shape's parameters (tied 151,669 x 64 embedding + 2 layers)
 
 
 def test_the_demo_is_planned_for_the_cpu(tmp_path):
-    proc = plan(["--config", "demo", "--host_ram_gib", "8", "--max_batch", "false", "--json", "true"], tmp_path)
+    proc = plan_in_process(
+        ["--config", "demo", "--host_ram_gib", "8", "--max_batch", "false", "--json", "true"], tmp_path
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     answer = json.loads(proc.stdout)
     device, asked = answer["gpu"], answer["asked"]
@@ -29,7 +31,7 @@ def test_the_demo_is_planned_for_the_cpu(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU here, the accelerator left to Lightning is it")
 def test_no_cuda_and_no_gpu_named_plans_the_cpu_and_says_so(tmp_path):
-    proc = plan(["--config", "demo", "--trainer.accelerator", "auto", "--max_batch", "false"], tmp_path)
+    proc = plan_in_process(["--config", "demo", "--trainer.accelerator", "auto", "--max_batch", "false"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert lines[1].startswith("CPU: ") and "(no CUDA device here and no --gpu: planned for the CPU device" in lines[1]
@@ -38,6 +40,6 @@ def test_no_cuda_and_no_gpu_named_plans_the_cpu_and_says_so(tmp_path):
 
 
 def test_a_named_gpu_wins_over_the_cpu_accelerator(tmp_path):
-    proc = plan(["--config", "demo", "--gpu", "h100", "--max_batch", "false"], tmp_path)
+    proc = plan_in_process(["--config", "demo", "--gpu", "h100", "--max_batch", "false"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines()[1].startswith("GPU: NVIDIA H100 SXM 80 GB")

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cli_in_process import lazytrain_in_process
 
 from lightning_lazytrain.sft.cli import DEMO_RECIPE, _with_default_config, main
 from lightning_lazytrain.sft.recipes import recipe_names, recipe_path, recipes_dir, resolve_config_args
@@ -178,5 +179,5 @@ def test_lazytrain_recipes_lists_each_with_one_line(tmp_path):
     assert sorted(lines) == recipe_names()
     assert "tiny Qwen2-shaped model on the shipped arithmetic word problems, on the CPU." in lines["demo"]
     assert "Qwen/Qwen2.5-7B: full fine-tuning on MetaMathQA" in lines["qwen2.5-7b"]
-    bad = subprocess.run([str(lazytrain), "recipes", "extra"], capture_output=True, text=True, timeout=120)
+    bad = lazytrain_in_process(["recipes", "extra"], tmp_path)
     assert bad.returncode == 2 and "takes no arguments" in bad.stderr

@@ -3,7 +3,7 @@ numbers and the fix (before, neither said a word: a RoPE model ran positions it 
 config alone: before the data is tokenized or the model built (``fit`` once did both first)."""
 
 import pytest
-from test_cli_exit_status import lazytrain
+from cli_in_process import lazytrain_in_process
 from transformers import Qwen2Config
 
 from lightning_lazytrain.sft.data.errors import DataSettingError
@@ -12,7 +12,7 @@ from lightning_lazytrain.sft.model_loading import check_positions_before_build, 
 
 @pytest.mark.parametrize(("command", "source"), [("fit", "model.model_config"), ("plan", "model_config (inline)")])
 def test_a_sequence_past_the_models_positions_exits_2_naming_both(tmp_path, command, source):
-    proc = lazytrain(
+    proc = lazytrain_in_process(
         [
             command,
             "--config",
@@ -36,7 +36,7 @@ def test_a_sequence_past_the_models_positions_exits_2_naming_both(tmp_path, comm
 
 
 def test_a_sequence_within_the_positions_plans(tmp_path):
-    proc = lazytrain(
+    proc = lazytrain_in_process(
         ["plan", "--config", "demo", "--data.max_seq_length", "256", "--gpu", "h200", "--max_batch", "false"], tmp_path
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

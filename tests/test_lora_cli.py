@@ -1,4 +1,5 @@
-"""``lazytrain fit --model.lora.r N``: LoRA from the command line, run as a process with this tree's package."""
+"""``lazytrain fit --model.lora.r N``: LoRA from the command line, run as a process with this tree's package (the
+refusal of an unknown quantize through the entry point in this process)."""
 
 import os
 import subprocess
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_in_process import lazytrain_in_process
 
 from lightning_lazytrain.sft.cli import DEMO_RECIPE
 
@@ -52,7 +54,8 @@ def test_qlora_from_the_command_line_trains_adapters_over_a_4bit_base(tmp_path):
 
 
 def test_an_unknown_quantize_is_refused_before_loading(tmp_path):
-    proc = lazytrain(["fit", "--config", str(DEMO_RECIPE), *FEW_STEPS, "--model.lora.quantize", "int3"], tmp_path)
+    proc = lazytrain_in_process(["fit", "--config", str(DEMO_RECIPE), *FEW_STEPS, "--model.lora.quantize", "int3"],
+                                tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "nf4" in proc.stderr + proc.stdout
 

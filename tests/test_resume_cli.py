@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+from cli_in_process import lazytrain_in_process
 from resume_setup import assert_same_tree
 from test_cli_exit_status import lazytrain
 
@@ -99,7 +100,7 @@ def test_fit_from_a_weights_only_checkpoint_is_refused_with_exit_2(tmp_path):
     assert main(_args(tmp_path, steps=2, weights_only=True)) == 0
     saved = tmp_path / "checkpoints" / "epoch=0-step=2.ckpt"
     assert "optimizer_states" not in torch.load(saved, weights_only=True)
-    proc = lazytrain([*_args(tmp_path, weights_only=True), "--ckpt_path", "last"], tmp_path)
+    proc = lazytrain_in_process([*_args(tmp_path, weights_only=True), "--ckpt_path", "last"], tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "KeyError" not in proc.stderr
     last = proc.stderr.rstrip().splitlines()[-1]
