@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cli_in_process import lazytrain_in_process
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -36,15 +37,10 @@ def no_model(monkeypatch):
     monkeypatch.setattr(module_mod, "build_model", refuse)
 
 
-def run_cli(args: list[str]) -> tuple[object, str]:
-    """(exit status, stderr) of ``lazytrain ARGS`` run in this process: main's return value, or the SystemExit's."""
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            code = main(args)
-        except SystemExit as exc:
-            code = exc.code
-    return code, err.getvalue()
+def run_cli(args: list[str]) -> tuple[int, str]:
+    """(exit status, stderr) of ``lazytrain ARGS`` run in this process."""
+    proc = lazytrain_in_process(args, Path.cwd())
+    return proc.returncode, proc.stderr
 
 
 def _overlay(tmp_path: Path, cfg: object, name: str = "overlay.yaml") -> str:

@@ -2,9 +2,12 @@
 It parses from a recipe and the command line, ``cuda`` without CUDA is refused at setup naming it, and ``auto``
 without CUDA builds the CPU build's bytes exactly."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import yaml
+from cli_in_process import lazytrain_in_process
 from qlora_models import BUILD_SHAPE, build_config, host_only, packed_base
 
 import lightning_lazytrain.models.layerwise as layerwise
@@ -43,12 +46,12 @@ def test_build_device_parses_from_a_recipe_and_the_command_line(tmp_path, capsys
     assert "build_device" in capsys.readouterr().err
 
 
-def test_cuda_without_cuda_exits_2_at_setup_naming_the_option(tmp_path, capsys, monkeypatch, no_cuda):
+def test_cuda_without_cuda_exits_2_at_setup_naming_the_option(tmp_path, monkeypatch, no_cuda):
     reached = []
     monkeypatch.setattr(module_file, "build_quantized_model", lambda *a, **k: reached.append("model build"))
     for step in ("prepare_data", "setup"):  # where the data is tokenized
         monkeypatch.setattr(SFTDataModule, step, lambda *a, step=step, **k: reached.append(step))
-    status = main(
+    proc = lazytrain_in_process(
         [
             "fit",
             "--config",
@@ -59,10 +62,11 @@ def test_cuda_without_cuda_exits_2_at_setup_naming_the_option(tmp_path, capsys, 
             "cuda",
             "--trainer.logger.init_args.save_dir",
             str(tmp_path),
-        ]
+        ],
+        Path.cwd(),
     )
-    err = capsys.readouterr().err
-    assert status == 2, err[-3000:]
+    err = proc.stderr
+    assert proc.returncode == 2, err[-3000:]
     assert "lora.build_device is cuda but CUDA is not available" in err
     assert "--model.lora.build_device cpu" in err
     assert reached == [] and list(tmp_path.iterdir()) == []
