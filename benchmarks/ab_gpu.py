@@ -20,12 +20,9 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 
-from child_process import write_json
+from child_process import add_child_arguments, ran_as_child, run_child, write_json
 
 CASES = {"7b-b64-80g": ("qwen2.5-7b", 64, 80.0, 150), "3b-b8": ("qwen2.5-3b", 8, 80.0, 90)}
 
@@ -61,22 +58,12 @@ def one(checkout: str, system: str, case: str, steps: int, warmup: int, tiny: bo
     checkout = os.path.abspath(checkout)
     from common import allocator_env  # a script's own folder is on sys.path
 
-    env = {**os.environ, **allocator_env(system),
-           "PYTHONPATH": os.pathsep.join([checkout, os.environ.get("PYTHONPATH", "")]).rstrip(":")}
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "row.json")
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec), "--child-out", out]
-        try:
-            subprocess.run(cmd, env=env, timeout=timeout if not tiny else 600, cwd=checkout)
-        except subprocess.TimeoutExpired:
-            return {"status": f"timeout {timeout}s", "wall_s": time.perf_counter() - start}
-        if not os.path.exists(out):
-            return {"status": "child failed", "wall_s": time.perf_counter() - start}
-        with open(out) as f:
-            row = json.load(f)
-    row["wall_s"] = time.perf_counter() - start
-    row["allocator"] = env.get("PYTORCH_CUDA_ALLOC_CONF")
+    env = allocator_env(system)
+    row, why, wall = run_child(__file__, spec, env, timeout if not tiny else 600, checkout=checkout, cwd=checkout)
+    if row is None:
+        return {"status": why, "wall_s": wall}
+    row["wall_s"] = wall
+    row["allocator"] = {**os.environ, **env}.get("PYTORCH_CUDA_ALLOC_CONF")
     if not row.get("library", "").startswith(checkout):
         row["status"] = f"imported {row.get('library')}, not the checkout {checkout}"
     return row
@@ -110,11 +97,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default="benchmarks/results/ab_h200.json")
     parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--child-out", help=argparse.SUPPRESS)
+    add_child_arguments(parser)
     args = parser.parse_args()
-    if args.child:
-        child(json.loads(args.child), args.child_out)
+    if ran_as_child(args, child):
         return
     if not args.side or len(args.side) < 2:
         parser.error("name at least two --side NAME=CHECKOUT[:SYSTEM]")

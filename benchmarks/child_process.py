@@ -4,6 +4,7 @@ there with ``write_json``; the parent reads it back, or says why there is none."
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -22,18 +23,33 @@ def write_json(path: str, result: dict) -> None:
     os.replace(tmp, path)
 
 
-def run_child(script: str, spec: dict, env: dict[str, str], timeout_s: float) -> tuple[dict | None, str, float]:
-    """``script``'s child for ``spec`` with ``env`` added, under ``timeout_s``; the child imports this checkout,
-    installed or not. Returns its result (None when it left none), why it left none, and the child's whole wall
-    time (imports, model build, setup and every step)."""
-    path = os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+def add_child_arguments(parser: argparse.ArgumentParser) -> None:
+    """The hidden ``--child`` and ``--child-out`` that ``run_child`` passes to the script."""
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--child-out", help=argparse.SUPPRESS)
+
+
+def ran_as_child(args: argparse.Namespace, child) -> bool:
+    """Whether ``args`` are a child's: then ``child(spec, out)`` has run."""
+    if args.child:
+        child(json.loads(args.child), args.child_out)
+    return bool(args.child)
+
+
+def run_child(script: str, spec: dict, env: dict[str, str], timeout_s: float, checkout: str = REPO,
+              cwd: str | None = None) -> tuple[dict | None, str, float]:
+    """``script``'s child for ``spec`` with ``env`` added, under ``timeout_s``, in ``cwd`` (default: this
+    process's); the child imports ``checkout`` (default: this one), installed or not. Returns its result (None
+    when it left none), why it left none, and the child's whole wall time (imports, model build, setup and every
+    step)."""
+    path = os.pathsep.join([checkout, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "row.json")
         cmd = [sys.executable, os.path.abspath(script), "--child", json.dumps(spec), "--child-out", out]
         start = time.perf_counter()
         try:
             rc = subprocess.run(cmd, env={**os.environ, **env, "PYTHONPATH": path}, timeout=timeout_s,
-                                cwd=os.getcwd()).returncode
+                                cwd=cwd or os.getcwd()).returncode
         except subprocess.TimeoutExpired:
             return None, f"timeout {timeout_s:.0f}s", time.perf_counter() - start
         wall = time.perf_counter() - start

@@ -26,7 +26,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-from child_process import run_child, write_json
+from child_process import add_child_arguments, ran_as_child, run_child, write_json
 from lora_report import CHECK, print_table, targets
 
 SEQ, TINY_SEQ, GIB = 1024, 128, 2**30
@@ -194,11 +194,9 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=540.0, help="the whole call's limit; rows are cut to it")
     parser.add_argument("--no-plan", action="store_true", help="skip the lazytrain plan prediction (20 s a row)")
     parser.add_argument("--ignore-check", action="store_true", help="time the rows even if the check fails")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--child-out", help=argparse.SUPPRESS)
+    add_child_arguments(parser)
     args = parser.parse_args()
-    if args.child:
-        child(json.loads(args.child), args.child_out)
+    if ran_as_child(args, child):
         return
     start = time.perf_counter()
     unknown = set(args.rows) - {"all", *GROUPS, *(r.name for r in ROWS)}

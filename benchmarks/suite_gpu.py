@@ -19,7 +19,7 @@ import os
 import tempfile
 from dataclasses import asdict, dataclass, field
 
-from child_process import run_child, write_json
+from child_process import add_child_arguments, ran_as_child, run_child, write_json
 from suite_targets import targets
 
 
@@ -197,11 +197,9 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="the tiny shape on whatever device: a dry run")
     parser.add_argument("--gpu-share", type=float, default=None,
                         help="the GPU's share of the update for the -ratio rows (default: their share_from row's)")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--child-out", help=argparse.SUPPRESS)
+    add_child_arguments(parser)
     args = parser.parse_args()
-    if args.child:
-        child(json.loads(args.child), args.child_out)
+    if ran_as_child(args, child):
         return
     if args.out is None and args.tiny:  # a dry run writes nothing into results/
         args.out = os.path.join(tempfile.gettempdir(), "suite_tiny.json")
