@@ -14,7 +14,7 @@ peft and bitsandbytes are the ``lora`` extra (``pip install lightning-lazytrain[
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import nn
@@ -68,7 +68,7 @@ def check_lora(options: LoraOptions) -> None:
 
 
 def _check_build_device(options: LoraOptions) -> None:
-    if options.build_device not in ("auto", "cpu", "cuda"):
+    if options.build_device not in get_args(BuildDevice):
         raise ValueError(f"lora.build_device must be auto, cpu or cuda, got {options.build_device!r}")
     if options.build_device != "cuda":
         return
